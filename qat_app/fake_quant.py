@@ -1,0 +1,134 @@
+"""Per-tensor fake quantization: scale, clip (saturation), round to the 8-bit grid, dequantize.
+
+One function computes everything the quantized linear needs from one read of the tensor: the
+dequantized tensor, its true amax (for the history) and the number of saturated elements. The
+plain-torch version is the reference; ``fused`` wraps the same code in ``torch.compile`` so the
+whole thing becomes one or two loops (C++/OpenMP on CPU, Triton on GPU). All ops are exact
+(bit manipulation, multiplication by the scale, division by the scale), so both agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from .formats import Float8Format, get_format
+
+log = logging.getLogger(__name__)
+
+
+class FakeQuantResult(NamedTuple):
+    dequantized: torch.Tensor  # same dtype as the input
+    amax: torch.Tensor  # float32 0-d: max |x| of the input (NaN/inf propagate)
+    clipped: torch.Tensor  # int64 0-d: elements with |x * scale| > max_val
+    codes: torch.Tensor | None  # uint8 codes of x * scale when asked for
+
+
+def _fake_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    max_val: float,
+    fmt_name: str,
+    want_codes: bool,
+    noise: torch.Tensor | None,
+) -> FakeQuantResult:
+    fmt = get_format(fmt_name)
+    xf = x.float()
+    amax = xf.abs().amax()
+    scaled = xf * scale
+    clipped = (scaled.abs() > max_val).sum()
+    q = fmt.round_f32(scaled.clamp(-max_val, max_val), noise)
+    dequantized = (q / scale).to(x.dtype)
+    codes = fmt.encode(q) if want_codes else None
+    return FakeQuantResult(dequantized, amax, clipped, codes)
+
+
+def _current_scale(amax: torch.Tensor, max_val: float, margin: float, fallback: torch.Tensor) -> torch.Tensor:
+    """max_val / amax / 2^margin; a zero, NaN or inf amax keeps ``fallback`` (never an inf/NaN scale)."""
+    scale = max_val / amax / (2.0**margin)
+    ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
+    return torch.where(ok, scale, fallback)
+
+
+def _fake_quantize_current(
+    x: torch.Tensor,
+    fallback_scale: torch.Tensor,
+    max_val: float,
+    margin: float,
+    fmt_name: str,
+    want_codes: bool,
+    noise: torch.Tensor | None,
+) -> tuple[FakeQuantResult, torch.Tensor]:
+    """Current tensor scaling (CTS): the scale comes from this tensor's own amax (two passes)."""
+    amax = x.float().abs().amax()
+    scale = _current_scale(amax, max_val, margin, fallback_scale)
+    return _fake_quantize(x, scale, max_val, fmt_name, want_codes, noise), scale
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=None)
+
+
+_COMPILE_BROKEN = False
+
+
+def _use_compiled(mode: str) -> bool:
+    if mode == "off" or _COMPILE_BROKEN or os.environ.get("QAT_APP_NO_COMPILE") == "1":
+        if mode == "on" and _COMPILE_BROKEN:
+            raise RuntimeError("quant.fused=on but torch.compile failed on this machine (see the log)")
+        return False
+    return True
+
+
+def _dispatch(fn: Callable, mode: str, *args):
+    global _COMPILE_BROKEN
+    if _use_compiled(mode):
+        try:
+            return _compiled(fn)(*args)
+        except Exception as err:  # a missing compiler must not stop training: fall back, same numbers
+            if mode == "on":
+                raise
+            _COMPILE_BROKEN = True
+            log.warning("torch.compile of the fake-quant kernel failed (%s); using plain torch", err)
+    return fn(*args)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    max_val: float,
+    fmt: str | Float8Format = "hif8",
+    *,
+    want_codes: bool = False,
+    noise: torch.Tensor | None = None,
+    fused: str = "off",
+) -> FakeQuantResult:
+    """Delayed-scaling fake quantization of ``x`` with a known per-tensor ``scale`` (0-d tensor)."""
+    name = fmt if isinstance(fmt, str) else fmt.name
+    return _dispatch(_fake_quantize, fused, x, scale, float(max_val), name, want_codes, noise)
+
+
+def fake_quantize_current(
+    x: torch.Tensor,
+    fallback_scale: torch.Tensor,
+    max_val: float,
+    margin: float = 0.0,
+    fmt: str | Float8Format = "hif8",
+    *,
+    want_codes: bool = False,
+    noise: torch.Tensor | None = None,
+    fused: str = "off",
+) -> tuple[FakeQuantResult, torch.Tensor]:
+    """Current-scaling fake quantization; returns the result and the scale that was used."""
+    name = fmt if isinstance(fmt, str) else fmt.name
+    return _dispatch(
+        _fake_quantize_current, fused, x, fallback_scale, float(max_val), float(margin), name, want_codes, noise
+    )
+
+
+compute_scale = _current_scale

@@ -1,0 +1,194 @@
+"""8-bit floating-point formats: HiF8 (bit-exact with ``en_dtypes.hifloat8``), E4M3 and E5M2.
+
+HiF8 is a tapered float: sign, a prefix-coded *dot* field giving the exponent width D, a
+sign-magnitude exponent of D bits, and the remaining bits of mantissa:
+
+    dot  D  exponent |e|   mantissa bits
+    11   4  8..15          1
+    10   3  4..7           2
+    01   2  2..3           3
+    001  1  1              3
+    0001 0  0              3
+    0000 -  denormal       value 2^(m-23), m = 1..7  (2^-22 .. 2^-16)
+
+Max finite 2^15 = 32768; the code of 1.5 * 2^15 is infinity, so magnitudes >= 40960 (the midpoint)
+overflow to inf. Rounding is to nearest, ties away from zero. One zero (0x00); 0x80 is NaN.
+
+Rounding works on the float32 bit pattern: adding half a quantum and masking the bits below it
+rounds the magnitude to nearest with ties away from zero, and a carry into the exponent field is
+exactly the roll-over into the next binade. Every op is elementwise and exact, so eager, compiled
+and GPU runs agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+HIF8_MAX = 32768.0
+HIF8_OVERFLOW = 40960.0  # midpoint between 2^15 and 1.5 * 2^15; ties away -> inf
+HIF8_MIN_SUBNORMAL = 2.0**-22
+HIF8_NAN_CODE = 0x80
+
+_F32_INF_BITS = 0x7F800000
+_F32_MAG_MASK = 0x7FFFFFFF
+_BITS_2_POW_M22 = (127 - 22) << 23
+_BITS_2_POW_M23 = (127 - 23) << 23
+_BITS_HIF8_MAX = (127 + 15) << 23
+
+
+def _f32_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _mantissa_bits(unbiased_exp: torch.Tensor) -> torch.Tensor:
+    """HiF8 mantissa width for a float32 exponent: 3 for |e|<=3, 2 for 4..7, 1 for 8..15, 0 for denormals."""
+    magnitude = unbiased_exp.abs()
+    bits = 3 - (magnitude > 3).int() - (magnitude > 7).int()
+    return torch.where(unbiased_exp < -15, 0, bits)
+
+
+def hif8_round_f32(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Round a float32 tensor to the nearest HiF8 value (ties away from zero), returned as float32.
+
+    ``noise``: optional int32 tensor of uniform random bits in [0, 2^23); when given the rounding is
+    stochastic (round up with probability equal to the discarded fraction) instead of to-nearest.
+    """
+    bits = _f32_bits(x)
+    sign = bits & torch.iinfo(torch.int32).min
+    mag = bits & _F32_MAG_MASK
+    exp = (mag >> 23) - 127
+    shift = 23 - _mantissa_bits(exp)
+    if noise is None:
+        increment = (1 << (shift - 1))
+    else:
+        increment = noise & ((1 << shift) - 1)
+    rounded = (mag + increment) & -(1 << shift)
+    # Below 2^-22 the only neighbours are 0 and 2^-22 (midpoint 2^-23, ties away).
+    if noise is None:
+        tiny = (mag >= _BITS_2_POW_M23).int() * _BITS_2_POW_M22
+    else:
+        # probability of rounding up = |x| / 2^-22 (noise bits reinterpreted as a fraction of 2^23)
+        threshold = (x.abs() * 2.0**22 * 2.0**23).to(torch.int32)
+        tiny = ((noise & ((1 << 23) - 1)) < threshold).int() * _BITS_2_POW_M22
+    rounded = torch.where(exp < -22, tiny, rounded)
+    rounded = torch.where(rounded > _BITS_HIF8_MAX, _F32_INF_BITS, rounded)
+    rounded = torch.where(mag > _F32_INF_BITS, mag, rounded)  # NaN stays NaN
+    sign = sign * (rounded != 0).int()  # HiF8 has one zero: -0 rounds to +0
+    return (rounded | sign).view(torch.float32)
+
+
+def hif8_round(x: torch.Tensor, stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round to HiF8, keeping the input dtype (float32, bfloat16 and float16 hold every HiF8 value)."""
+    noise = None
+    if stochastic:
+        noise = torch.randint(0, 1 << 23, x.shape, device=x.device, dtype=torch.int32, generator=generator)
+    return hif8_round_f32(x.float(), noise).to(x.dtype)
+
+
+def hif8_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round to HiF8 and return the uint8 codes."""
+    value = hif8_round_f32(x.float())
+    bits = _f32_bits(value)
+    negative = bits < 0
+    mag = bits & _F32_MAG_MASK
+    exp = (mag >> 23) - 127
+    mant3 = (mag >> 20) & 7  # top three mantissa bits of the rounded value
+    abs_exp = exp.abs()
+    exp_sign = (exp < 0).int()
+    code = torch.where(exp == 0, 0x08 | mant3, 0)
+    code = torch.where(abs_exp == 1, 0x10 | (exp_sign << 3) | mant3, code)
+    code = torch.where((abs_exp >= 2) & (abs_exp <= 3), 0x20 | (exp_sign << 4) | ((abs_exp - 2) << 3) | mant3, code)
+    code = torch.where((abs_exp >= 4) & (abs_exp <= 7), 0x40 | (exp_sign << 4) | ((abs_exp - 4) << 2) | (mant3 >> 1), code)
+    code = torch.where((abs_exp >= 8) & (abs_exp <= 15), 0x60 | (exp_sign << 4) | ((abs_exp - 8) << 1) | (mant3 >> 2), code)
+    code = torch.where((exp >= -22) & (exp <= -16), exp + 23, code)
+    code = torch.where(mag == 0, 0, code)
+    code = torch.where(mag == _F32_INF_BITS, 0x6F, code)
+    code = code | (negative & (mag != 0)).int() * 0x80
+    code = torch.where(mag > _F32_INF_BITS, HIF8_NAN_CODE, code)
+    return code.to(torch.uint8)
+
+
+def _decode_code(code: int) -> float:
+    if code == HIF8_NAN_CODE:
+        return math.nan
+    sign = -1.0 if code & 0x80 else 1.0
+    c = code & 0x7F
+    if c == 0:
+        return 0.0
+    if c < 0x08:  # denormal
+        return sign * 2.0 ** (c - 23)
+    if c < 0x10:  # D=0
+        exp, mant, mbits = 0, c & 7, 3
+    elif c < 0x20:  # D=1
+        exp, mant, mbits = (-1 if c & 0x08 else 1), c & 7, 3
+    elif c < 0x40:  # D=2
+        mag = 2 + ((c >> 3) & 1)
+        exp, mant, mbits = (-mag if c & 0x10 else mag), c & 7, 3
+    elif c < 0x60:  # D=3
+        mag = 4 + ((c >> 2) & 3)
+        exp, mant, mbits = (-mag if c & 0x10 else mag), c & 3, 2
+    else:  # D=4
+        mag = 8 + ((c >> 1) & 7)
+        exp, mant, mbits = (-mag if c & 0x10 else mag), c & 1, 1
+        if exp == 15 and mant == 1:
+            return sign * math.inf
+    return sign * (1.0 + mant / (1 << mbits)) * 2.0**exp
+
+
+HIF8_TABLE = torch.tensor([_decode_code(c) for c in range(256)], dtype=torch.float32)
+
+
+def hif8_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 HiF8 codes -> values (exact in float32/bfloat16/float16)."""
+    table = HIF8_TABLE.to(device=codes.device, dtype=dtype)
+    return table[codes.long()]
+
+
+# --------------------------------------------------------------------------------------------
+# The small interface the quantizers use, so experiments can swap formats.
+
+
+@dataclass(frozen=True)
+class Float8Format:
+    name: str
+    max_finite: float
+    default_max_val: float  # where a per-tensor scale maps amax to (HiF8: top of the 3-bit tier)
+    round_f32: Callable[..., torch.Tensor]  # float32 -> float32 on the format's grid
+    encode: Callable[[torch.Tensor], torch.Tensor]  # -> uint8
+    decode: Callable[..., torch.Tensor]  # uint8 -> values
+    supports_stochastic: bool = False
+
+
+def _torch_float8(dtype: torch.dtype, name: str) -> Float8Format:
+    finfo = torch.finfo(dtype)
+
+    def round_f32(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        if noise is not None:
+            raise ValueError(f"stochastic rounding is only implemented for hif8, not {name}")
+        return x.to(dtype).to(torch.float32)
+
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        return x.float().to(dtype).view(torch.uint8)
+
+    def decode(codes: torch.Tensor, dtype_out: torch.dtype = torch.float32) -> torch.Tensor:
+        return codes.view(dtype).to(dtype_out)
+
+    return Float8Format(name, finfo.max, finfo.max, round_f32, encode, decode)
+
+
+FORMATS: dict[str, Float8Format] = {
+    "hif8": Float8Format("hif8", HIF8_MAX, 15.0, hif8_round_f32, hif8_encode, hif8_decode, supports_stochastic=True),
+    "e4m3": _torch_float8(torch.float8_e4m3fn, "e4m3"),
+    "e5m2": _torch_float8(torch.float8_e5m2, "e5m2"),
+}
+
+
+def get_format(name: str) -> Float8Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; allowed: {sorted(FORMATS)}") from None

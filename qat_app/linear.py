@@ -1,0 +1,207 @@
+"""HiF8Linear: a drop-in nn.Linear with W8A8 fake quantization and straight-through gradients.
+
+Forward: the input activation and the weight are each fake-quantized with their own per-tensor
+scaler (scale, clip to +-max_val, round, dequantize), then multiplied. Backward (STE): the
+gradients are those of a linear layer evaluated at the quantized tensors, passed straight through
+the rounding and, with ``ste="identity"`` (the paper's), through the clipping as well; with
+``ste="clipped"`` elements that saturated get zero gradient. Optionally the output gradient is
+fake-quantized too (own scaler, stochastic rounding).
+
+Observers record amax whether or not quantization is switched on (the BF16 warmup relies on
+that), but only in training mode, so evaluation never moves a history. The weight is quantized
+once per optimizer step: the result is cached until the parameter changes (``_version``) or the
+scale does. With ``save_8bit_activations`` the quantized input is kept for backward as uint8
+codes plus the scale; decoding reproduces it exactly, so gradients are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import QuantConfig
+from .fake_quant import FakeQuantResult, fake_quantize, fake_quantize_current
+from .formats import get_format
+from .scaling import AmaxScaler
+
+
+def _make_scaler(cfg: QuantConfig, max_val: float, device) -> AmaxScaler:
+    return AmaxScaler(cfg.amax_algo, cfg.history_len, cfg.alpha, max_val, cfg.margin, device=device)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class HiF8Linear(nn.Linear):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        quant: QuantConfig | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.quant = quant if quant is not None else QuantConfig()
+        self.format = get_format(self.quant.format)
+        scaler_device = self.weight.device
+        self.input_scaler = _make_scaler(self.quant, self.quant.resolved_max_val, scaler_device)
+        self.weight_scaler = _make_scaler(self.quant, self.quant.resolved_max_val, scaler_device)
+        self.grad_scaler = (
+            _make_scaler(self.quant, self.quant.grad_max_val, scaler_device) if self.quant.quantize_grads else None
+        )
+        self.quantize_activations = self.quant.quantize_activations
+        self.quantize_weights = self.quant.quantize_weights
+        self._weight_cache: tuple | None = None
+        self.source_type = "linear"  # or "conv1d" (GPT-2 style, weight stored transposed)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, quant: QuantConfig) -> "HiF8Linear":
+        """Wrap an existing nn.Linear (or transformers' Conv1D) sharing its parameters."""
+        is_conv1d = type(linear).__name__ == "Conv1D"
+        weight = linear.weight
+        in_features, out_features = (weight.shape[0], weight.shape[1]) if is_conv1d else (weight.shape[1], weight.shape[0])
+        with torch.device("meta"):
+            new = cls(in_features, out_features, linear.bias is not None, quant=quant, dtype=weight.dtype)
+        # the scalers were built on meta: rebuild them on the weight's device
+        for name in ("input_scaler", "weight_scaler", "grad_scaler"):
+            scaler = getattr(new, name)
+            if scaler is not None:
+                setattr(new, name, _make_scaler(quant, scaler.max_val, weight.device))
+        if is_conv1d:
+            new.weight = nn.Parameter(weight.detach().t().contiguous(), requires_grad=weight.requires_grad)
+            new.source_type = "conv1d"
+        else:
+            new.weight = weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def to_float(self) -> nn.Module:
+        """The plain module with the same (unquantized, trained) weights: nn.Linear or Conv1D."""
+        if self.source_type == "conv1d":
+            from transformers.pytorch_utils import Conv1D
+
+            with torch.device("meta"):
+                plain = Conv1D(self.out_features, self.in_features)
+            plain.weight = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=self.weight.requires_grad)
+        else:
+            with torch.device("meta"):
+                plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+            plain.weight = self.weight
+        plain.bias = self.bias
+        plain.train(self.training)
+        return plain
+
+    def scalers(self) -> list[AmaxScaler]:
+        return [s for s in (self.input_scaler, self.weight_scaler, self.grad_scaler) if s is not None]
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, format={self.quant.format}, amax_algo={self.quant.amax_algo}, "
+            f"w={self.quantize_weights}, a={self.quantize_activations}, ste={self.quant.ste}"
+        )
+
+    # ------------------------------------------------------------------------------------------
+
+    def _fake_quantize(self, x: torch.Tensor, scaler: AmaxScaler, want_codes: bool, noise=None) -> FakeQuantResult:
+        fused = self.quant.fused
+        if scaler.uses_current_scaling:
+            result, scale = fake_quantize_current(
+                x, scaler.scale, scaler.max_val, scaler.margin, self.format, want_codes=want_codes, noise=noise, fused=fused
+            )
+            return result, scale
+        return fake_quantize(x, scaler.scale, scaler.max_val, self.format, want_codes=want_codes, noise=noise, fused=fused), scaler.scale
+
+    def _quantize_input(self, x: torch.Tensor):
+        """-> (x for the matmul, codes or None, scale or None, clipped-mask or None)."""
+        record = self.training
+        if not self.quantize_activations:
+            if record:
+                self.input_scaler.observe(x.detach().abs().amax(), None, x.numel())
+            return x, None, None, None
+        want_codes = self.quant.save_8bit_activations
+        result, scale = self._fake_quantize(x, self.input_scaler, want_codes)
+        if record:
+            self.input_scaler.observe(result.amax, result.clipped, x.numel())
+        mask = (x.float() * scale).abs() <= self.input_scaler.max_val if self.quant.ste == "clipped" else None
+        return result.dequantized, result.codes, scale, mask
+
+    def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype):
+        """-> (weight for the matmul, clipped-mask or None); cached until the weight or scale changes."""
+        scaler = self.weight_scaler
+        key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.quant.ste)
+        if self._weight_cache is None or self._weight_cache[0] != key:
+            w = weight.detach().to(dtype)
+            if self.quantize_weights:
+                result, scale = self._fake_quantize(w, scaler, want_codes=False)
+                mask = (w.float() * scale).abs() <= scaler.max_val if self.quant.ste == "clipped" else None
+                stats = (result.amax, result.clipped)
+                w = result.dequantized
+            else:
+                mask, stats = None, (w.abs().amax(), None)
+            self._weight_cache = (key, w, mask, stats)
+            scaler.observed_this_step = False
+        _, w, mask, stats = self._weight_cache
+        if self.training and not scaler.observed_this_step:
+            scaler.observe(stats[0], stats[1], weight.numel())
+        return w, mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _HiF8LinearFunction.apply(x, self.weight, self.bias, self)
+
+
+class _HiF8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: HiF8Linear):
+        dtype = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x_c = x.to(dtype)
+            xq, x_codes, x_scale, x_mask = module._quantize_input(x_c)
+            wq, w_mask = module._quantize_weight(weight, dtype)
+            b = bias.to(dtype) if bias is not None else None
+            out = F.linear(xq, wq, b)
+        ctx.module = module
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None, dtype)
+        ctx.has_bias = bias is not None
+        ctx.saved_codes = x_codes is not None
+        saved_x = x_codes if x_codes is not None else xq
+        ctx.save_for_backward(saved_x, x_scale, wq, x_mask, w_mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        saved_x, x_scale, wq, x_mask, w_mask = ctx.saved_tensors
+        module: HiF8Linear = ctx.module
+        x_dtype, w_dtype, b_dtype, dtype = ctx.dtypes
+        if ctx.saved_codes:
+            xq = (module.format.decode(saved_x, torch.float32) / x_scale).to(dtype)
+        else:
+            xq = saved_x
+        g = grad_out.to(dtype)
+        if module.grad_scaler is not None:
+            noise = None
+            if module.quant.grad_stochastic_rounding:
+                noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32)
+            result, _ = module._fake_quantize(g, module.grad_scaler, want_codes=False, noise=noise)
+            module.grad_scaler.observe(result.amax, result.clipped, g.numel())
+            g = result.dequantized
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ wq
+            if x_mask is not None:
+                grad_x = grad_x * x_mask
+            grad_x = grad_x.to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = g.reshape(-1, g.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
+            if w_mask is not None:
+                grad_w = grad_w * w_mask
+            grad_w = grad_w.to(w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None

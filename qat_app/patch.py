@@ -1,0 +1,131 @@
+"""Model patching: swap the selected linears of an HF decoder for HiF8Linear, and back.
+
+Selection (the paper's layout by default): modules whose full name matches ``module_pattern``
+(MLP gate/up/down projections and their GPT-2/OPT/NeoX equivalents), inside decoder blocks found
+by ``block_pattern``, except the ``high_precision_layers`` boundary blocks: the first ceil(k/2)
+and the last floor(k/2) stay in high precision. Attention, embeddings, norms and lm_head are never
+touched by the default pattern.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .config import QuantConfig, QuantConfigError
+from .linear import HiF8Linear
+
+
+@dataclass
+class QuantReport:
+    num_blocks: int
+    quantized_blocks: list[int]
+    modules: list[str] = field(default_factory=list)
+    num_params: int = 0
+
+    @property
+    def num_linears(self) -> int:
+        return len(self.modules)
+
+    def summary(self) -> str:
+        blocks = self.quantized_blocks
+        span = f"blocks {blocks[0]}-{blocks[-1]}" if blocks else "no blocks"
+        return (
+            f"HiF8 W8A8: {self.num_linears} linears in {span} of {self.num_blocks} "
+            f"({self.num_params / 1e6:.1f}M parameters quantized)"
+        )
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def count_blocks(model: nn.Module, block_pattern: str) -> int:
+    config = getattr(model, "config", None)
+    for attr in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    regex = re.compile(block_pattern)
+    indices = [int(m.group(1)) for name, _ in model.named_modules() if (m := regex.search(name + "."))]
+    return max(indices) + 1 if indices else 0
+
+
+def quantized_block_range(num_blocks: int, high_precision_layers: int) -> range:
+    """Blocks that get quantized: all but the first ceil(k/2) and the last floor(k/2)."""
+    if high_precision_layers > num_blocks:
+        raise QuantConfigError(
+            f"quant.high_precision_layers: {high_precision_layers} is larger than the model's {num_blocks} blocks"
+        )
+    first = math.ceil(high_precision_layers / 2)
+    last = num_blocks - high_precision_layers // 2
+    return range(first, last)
+
+
+def select_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tuple[str, nn.Module]], int, range]:
+    module_regex = re.compile(quant.module_pattern)
+    block_regex = re.compile(quant.block_pattern)
+    num_blocks = count_blocks(model, quant.block_pattern)
+    blocks = quantized_block_range(num_blocks, quant.high_precision_layers)
+    matched, selected = [], []
+    for name, module in model.named_modules():
+        if not (_is_linear(module) and module_regex.search(name)):
+            continue
+        matched.append(name)
+        block = block_regex.search(name)
+        if block is not None and int(block.group(1)) in blocks:
+            selected.append((name, module))
+    if not matched:
+        linears = [n for n, m in model.named_modules() if _is_linear(m)][:8]
+        raise QuantConfigError(
+            f"quant.module_pattern {quant.module_pattern!r} matches no linear layer of "
+            f"{type(model).__name__}; linear layers look like: {linears}"
+        )
+    return selected, num_blocks, blocks
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def quantize_model(model: nn.Module, quant: QuantConfig) -> QuantReport:
+    """Swap the selected linears for HiF8Linear in place (parameters are shared, not copied)."""
+    if any(isinstance(m, HiF8Linear) for m in model.modules()):
+        raise ValueError("model is already quantized; call dequantize_model first")
+    selected, num_blocks, blocks = select_modules(model, quant)
+    report = QuantReport(num_blocks=num_blocks, quantized_blocks=[])
+    seen_blocks = set()
+    block_regex = re.compile(quant.block_pattern)
+    for name, module in selected:
+        _set_submodule(model, name, HiF8Linear.from_linear(module, quant))
+        report.modules.append(name)
+        report.num_params += module.weight.numel()
+        seen_blocks.add(int(block_regex.search(name).group(1)))
+    report.quantized_blocks = sorted(seen_blocks)
+    return report
+
+
+def dequantize_model(model: nn.Module) -> int:
+    """Replace every HiF8Linear by its plain module with the same weights; returns how many."""
+    names = [name for name, m in model.named_modules() if isinstance(m, HiF8Linear)]
+    for name in names:
+        _set_submodule(model, name, model.get_submodule(name).to_float())
+    return len(names)
+
+
+def quantized_linears(model: nn.Module) -> list[tuple[str, HiF8Linear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, HiF8Linear)]
+
+
+def set_quantization(model: nn.Module, *, weights: bool | None = None, activations: bool | None = None) -> None:
+    """Switch weight / activation fake quantization of every HiF8Linear (observers keep recording)."""
+    for _, module in quantized_linears(model):
+        if weights is not None:
+            module.quantize_weights = weights
+        if activations is not None:
+            module.quantize_activations = activations

@@ -1,0 +1,183 @@
+"""Delayed tensor scaling: a per-tensor amax history and the a_hat estimators of the paper.
+
+A scaler sees every forward of its tensor (``observe``: running max of amax over the micro-batches
+of one optimizer step, saturation counters) and is advanced once per *optimizer step*
+(``advance``), so ``history_len`` counts optimizer steps whatever the gradient accumulation.
+All state is in registered buffers, so checkpoints carry it; nothing here syncs with the host.
+
+a_hat(t), the estimate used by step t, from the amax observed in earlier steps:
+    most_recent  amax(t-1)
+    exp_smooth   alpha * amax(t-1) + (1 - alpha) * a_hat(t-1)      (a_hat(1) = amax(0))
+    max          max(amax(t-1), ..., amax(t-H))
+    current      CTS: each forward uses its own amax (the history is kept for logging)
+
+Scale: s = max_val / a_hat / 2^margin. A zero, NaN or inf a_hat never yields a scale: the previous
+scale is kept (1.0 before any valid observation), as TransformerEngine does. A step whose amax is
+NaN/inf, or in which the tensor was not seen, is not pushed into the history.
+Before the first recorded step a delayed scaler has no estimate, so it falls back to current
+scaling for that step (the BF16 warmup normally fills the history first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import AMAX_ALGOS
+from .fake_quant import compute_scale
+
+
+class AmaxScaler(nn.Module):
+    def __init__(
+        self,
+        algo: str = "max",
+        history_len: int = 64,
+        alpha: float = 0.1,
+        max_val: float = 15.0,
+        margin: float = 0.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if algo not in AMAX_ALGOS:
+            raise ValueError(f"amax_algo: unknown algorithm {algo!r}; allowed: {', '.join(AMAX_ALGOS)}")
+        self.algo = algo
+        self.history_len = history_len
+        self.alpha = alpha
+        self.max_val = max_val
+        self.margin = margin
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("amax_history", torch.zeros(history_len, **f32))  # [0] = most recent step
+        self.register_buffer("a_hat", torch.zeros((), **f32))
+        self.register_buffer("scale", torch.ones((), **f32))
+        self.register_buffer("steps_recorded", torch.zeros((), **i64))
+        # this step's accumulators (max / sums over its micro-batches)
+        self.register_buffer("step_amax", torch.zeros((), **f32))
+        self.register_buffer("step_seen", torch.zeros((), **f32))
+        self.register_buffer("step_clipped", torch.zeros((), **i64))
+        self.register_buffer("step_numel", torch.zeros((), **i64))
+        # the last completed step, for logging: true amax vs the a_hat it was quantized with
+        self.register_buffer("last_amax", torch.zeros((), **f32))
+        self.register_buffer("last_a_hat", torch.zeros((), **f32))
+        self.register_buffer("last_clipped", torch.zeros((), **i64))
+        self.register_buffer("last_numel", torch.zeros((), **i64))
+        # run totals
+        self.register_buffer("total_clipped", torch.zeros((), **i64))
+        self.register_buffer("total_numel", torch.zeros((), **i64))
+        self.register_buffer("saturation_events", torch.zeros((), **i64))  # steps with >= 1 clipped element
+        # Host-side mirrors of device state, so the hot path branches without a sync.
+        self.has_history = False
+        self.version = 0  # bumped whenever the scale may change (keys the weight cache)
+        self.observed_this_step = False
+
+    def extra_repr(self) -> str:
+        return f"algo={self.algo}, history_len={self.history_len}, max_val={self.max_val}, margin={self.margin}"
+
+    @property
+    def uses_current_scaling(self) -> bool:
+        return self.algo == "current" or not self.has_history
+
+    @torch.no_grad()
+    def observe(self, amax: torch.Tensor, clipped: torch.Tensor | None, numel: int) -> None:
+        """Record one forward of the tensor (device ops only)."""
+        torch.maximum(self.step_amax, amax.float(), out=self.step_amax)
+        self.step_seen.fill_(1.0)
+        if clipped is not None:
+            self.step_clipped.add_(clipped)
+        self.step_numel.add_(numel)
+        self.observed_this_step = True
+
+    @torch.no_grad()
+    def _estimate(self, history: torch.Tensor, amax: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        if self.algo == "max":
+            return history.max()
+        if self.algo == "exp_smooth":
+            smoothed = self.alpha * amax + (1.0 - self.alpha) * self.a_hat
+            return torch.where(first, amax, smoothed)
+        return history[0]  # most_recent; for current: what it saw last, for logging and fallback
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """Close one optimizer step: push its amax into the history and compute the next a_hat/scale."""
+        amax = self.step_amax
+        valid = torch.isfinite(amax) & (self.step_seen > 0)
+        first = self.steps_recorded == 0
+        pushed = torch.cat([amax.view(1), self.amax_history[:-1]])
+        history = torch.where(valid, pushed, self.amax_history)
+        self.amax_history.copy_(history)
+        self.last_amax.copy_(amax)
+        self.last_a_hat.copy_(amax if self.algo == "current" else self.a_hat)
+        self.last_clipped.copy_(self.step_clipped)
+        self.last_numel.copy_(self.step_numel)
+        self.total_clipped.add_(self.step_clipped)
+        self.total_numel.add_(self.step_numel)
+        self.saturation_events.add_((self.step_clipped > 0).long())
+        self.a_hat.copy_(torch.where(valid, self._estimate(history, amax, first), self.a_hat))
+        self.steps_recorded.add_(valid.long())
+        self.scale.copy_(compute_scale(self.a_hat, self.max_val, self.margin, self.scale))
+        self.discard_step()
+        self.has_history = True
+        self.version += 1
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """Forget this step's observations without touching the history (e.g. a skipped step)."""
+        self.step_amax.zero_()
+        self.step_seen.zero_()
+        self.step_clipped.zero_()
+        self.step_numel.zero_()
+        self.observed_this_step = False
+
+    @torch.no_grad()
+    def seed_history(self) -> None:
+        """Fill the window slots not yet recorded with the largest amax recorded so far.
+
+        Called at the end of the BF16 warmup so the first quantized step already sees a full
+        window even when the warmup was shorter than ``history_len``.
+        """
+        slots = torch.arange(self.history_len, device=self.amax_history.device)
+        recorded = slots < self.steps_recorded
+        seen_max = torch.where(recorded, self.amax_history, torch.zeros_like(self.amax_history)).max()
+        self.amax_history.copy_(torch.where(recorded, self.amax_history, seen_max))
+        if self.algo == "max":
+            self.a_hat.copy_(self.amax_history.max())
+        elif self.algo in ("most_recent", "current"):
+            self.a_hat.copy_(self.amax_history[0])
+        self.scale.copy_(compute_scale(self.a_hat, self.max_val, self.margin, self.scale))
+        self.version += 1
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # one sync at load time (not per step) to restore the host-side mirror
+        if self.steps_recorded.device.type != "meta":
+            self.has_history = bool(self.steps_recorded.item() > 0)
+        self.version += 1
+
+
+def all_scalers(model: nn.Module) -> list[AmaxScaler]:
+    return [m for m in model.modules() if isinstance(m, AmaxScaler)]
+
+
+@torch.no_grad()
+def sync_step_amax(scalers: list[AmaxScaler], group=None) -> None:
+    """Make every data-parallel rank hold the same step amax: one MAX all-reduce on one flat buffer.
+
+    NaN is mapped to +inf first (a MAX reduction may drop NaN); inf then marks the step invalid on
+    every rank alike. No-op without an initialised process group of more than one rank.
+    """
+    if not scalers or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    flat = torch.stack([torch.stack([s.step_amax, s.step_seen]) for s in scalers])
+    flat = torch.nan_to_num(flat, nan=float("inf"), posinf=float("inf"))
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    for scaler, row in zip(scalers, flat):
+        scaler.step_amax.copy_(row[0])
+        scaler.step_seen.copy_(row[1])
+
+
+def advance_all(scalers: list[AmaxScaler], group=None) -> None:
+    """One optimizer step for every scaler (after the data-parallel amax sync)."""
+    sync_step_amax(scalers, group)
+    for scaler in scalers:
+        scaler.advance()
