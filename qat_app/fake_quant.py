@@ -98,6 +98,25 @@ def _dispatch(fn: Callable, mode: str, *args):
     return fn(*args)
 
 
+_TRITON_BROKEN = False
+
+
+def _triton_kernel_for(x, scale, fmt_name: str, noise, mode: str) -> Callable | None:
+    """The hand-written Triton kernel (``triton_fake_quant``) when it applies, else None.
+
+    Only for ``fused != "off"``, CUDA tensors, HiF8, deterministic rounding (noise None), triton
+    importable, and not disabled with QAT_APP_NO_TRITON=1. Everything else -- CPU included -- keeps
+    the torch.compile / plain-torch path. Same numbers bit for bit either way.
+    """
+    if mode == "off" or _TRITON_BROKEN or not x.is_cuda or fmt_name != "hif8" or noise is not None:
+        return None
+    if os.environ.get("QAT_APP_NO_TRITON") == "1":
+        return None
+    from . import triton_fake_quant  # imports triton lazily, only here
+
+    return triton_fake_quant.fake_quantize_triton if triton_fake_quant.supports(fmt_name, x, scale) else None
+
+
 def fake_quantize(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -108,8 +127,22 @@ def fake_quantize(
     noise: torch.Tensor | None = None,
     fused: str = "off",
 ) -> FakeQuantResult:
-    """Delayed-scaling fake quantization of ``x`` with a known per-tensor ``scale`` (0-d tensor)."""
+    """Delayed-scaling fake quantization of ``x`` with a known per-tensor ``scale`` (0-d tensor).
+
+    ``fused`` "on"/"auto" on CUDA HiF8 tensors runs the single-pass Triton kernel (see
+    ``_triton_kernel_for``); otherwise torch.compile of the reference. "auto" falls back on errors.
+    """
+    global _TRITON_BROKEN
     name = fmt if isinstance(fmt, str) else fmt.name
+    kernel = _triton_kernel_for(x, scale, name, noise, fused)
+    if kernel is not None:
+        try:
+            return kernel(x, scale, float(max_val), want_codes)
+        except Exception as err:  # e.g. no compiler for this GPU: fall back, same numbers
+            if fused == "on":
+                raise
+            _TRITON_BROKEN = True
+            log.warning("the Triton fake-quant kernel failed (%s); using torch.compile / plain torch", err)
     return _dispatch(_fake_quantize, fused, x, scale, float(max_val), name, want_codes, noise)
 
 

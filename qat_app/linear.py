@@ -57,6 +57,7 @@ class HiF8Linear(nn.Linear):
         )
         self.quantize_activations = self.quant.quantize_activations
         self.quantize_weights = self.quant.quantize_weights
+        self.quantize_grads = self.quant.quantize_grads
         self._weight_cache: tuple | None = None
         self.source_type = "linear"  # or "conv1d" (GPT-2 style, weight stored transposed)
 
@@ -98,6 +99,19 @@ class HiF8Linear(nn.Linear):
         plain.train(self.training)
         return plain
 
+    # The switches are part of the state so a checkpoint restores the warmup phase with the weights.
+    def get_extra_state(self) -> dict:
+        return {
+            "quantize_weights": self.quantize_weights,
+            "quantize_activations": self.quantize_activations,
+            "quantize_grads": self.quantize_grads,
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        self.quantize_weights = bool(state["quantize_weights"])
+        self.quantize_activations = bool(state["quantize_activations"])
+        self.quantize_grads = bool(state.get("quantize_grads", False)) and self.grad_scaler is not None
+
     def scalers(self) -> list[AmaxScaler]:
         return [s for s in (self.input_scaler, self.weight_scaler, self.grad_scaler) if s is not None]
 
@@ -109,7 +123,10 @@ class HiF8Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------
 
-    def _fake_quantize(self, x: torch.Tensor, scaler: AmaxScaler, want_codes: bool, noise=None) -> FakeQuantResult:
+    def _fake_quantize(
+        self, x: torch.Tensor, scaler: AmaxScaler, want_codes: bool, noise=None
+    ) -> tuple[FakeQuantResult, torch.Tensor]:
+        """-> (result, the scale used): the scaler's delayed scale, or the current one for CTS."""
         fused = self.quant.fused
         if scaler.uses_current_scaling:
             result, scale = fake_quantize_current(
@@ -184,7 +201,9 @@ class _HiF8LinearFunction(torch.autograd.Function):
         else:
             xq = saved_x
         g = grad_out.to(dtype)
-        if module.grad_scaler is not None:
+        if module.grad_scaler is not None and not module.quantize_grads:
+            module.grad_scaler.observe(g.detach().abs().amax(), None, g.numel())
+        elif module.grad_scaler is not None:
             noise = None
             if module.quant.grad_stochastic_rounding:
                 noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32)

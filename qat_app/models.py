@@ -241,6 +241,16 @@ def embedded_model_dir(name: str = EMBEDDED_MODEL, cache_dir: str | os.PathLike 
     return target
 
 
+def _chmod_like_umask(directory: Path) -> None:
+    """mkdtemp creates 0700 (and some writers 0600): give the cache the usual umask permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for p in directory.iterdir():
+        if p.is_file():
+            os.chmod(p, 0o666 & ~umask)
+
+
 def _convert_gguf_to_cache(gguf: Path, target: Path, record: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -256,6 +266,7 @@ def _convert_gguf_to_cache(gguf: Path, target: Path, record: dict) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         (tmp / _SOURCE_FILE).write_text(json.dumps(record, indent=2))
+        _chmod_like_umask(tmp)
         old = None
         if target.exists():  # stale cache: move it aside, then swap in the new one
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=str(target.parent)))

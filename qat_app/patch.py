@@ -122,9 +122,16 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, HiF8Linear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, HiF8Linear)]
 
 
-def set_quantization(model: nn.Module, *, weights: bool | None = None, activations: bool | None = None) -> None:
-    """Switch weight / activation fake quantization of every HiF8Linear (observers keep recording)."""
+def set_quantization(
+    model: nn.Module, *, weights: bool | None = None, activations: bool | None = None, grads: bool | None = None
+) -> None:
+    """Switch weight / activation / output-gradient fake quantization of every HiF8Linear.
+
+    Observers keep recording either way; ``grads`` only applies to layers built with a gradient scaler.
+    """
     for _, module in quantized_linears(model):
+        if grads is not None:
+            module.quantize_grads = grads and module.grad_scaler is not None
         if weights is not None:
             module.quantize_weights = weights
         if activations is not None:

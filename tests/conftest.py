@@ -22,3 +22,43 @@ def tiny_llama():
         num_key_value_heads=4, vocab_size=128, max_position_embeddings=128,
     )
     return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    from qat_app.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
+    """A tiny random Llama saved with the embedded SmolLM2 tokenizer, loadable by name like a hub model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=len(embedded_tokenizer), max_position_embeddings=256, tie_word_embeddings=True,
+        eos_token_id=embedded_tokenizer.eos_token_id, pad_token_id=embedded_tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    embedded_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A small jsonl corpus of pseudo-English documents."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = "the model learns scale history window max amax quantization token step data block layer".split()
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with open(path, "w") as f:
+        for i in range(300):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 80)))
+            f.write(json.dumps({"text": f"Document {i}. {text}."}) + "\n")
+    return path

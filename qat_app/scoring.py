@@ -1,0 +1,317 @@
+"""Log-likelihood scoring of multiple-choice benchmark batches, with DDP-correct torchmetrics.
+
+Batches come from :class:`qat_app.data.benchmarks.BenchmarkDataModule`. Each choice is scored by the
+summed log-probability of its continuation tokens, as lm-evaluation-harness does; ``acc`` takes the
+argmax of that sum, ``acc_norm`` of the sum divided by the choice's length in characters. MMLU's
+overall ``acc`` is the mean over all its examples, i.e. subjects weighted by size, as lm-eval's
+``mmlu`` group reports it (``weight_by_size: True``).
+
+Usage inside a LightningModule::
+
+    self.benchmarks = BenchmarkEvaluator(datamodule.task_names)
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        if "benchmark" in batch:
+            self.benchmarks.update(self.model, batch)
+    def on_validation_epoch_end(self):
+        self.log_dict(self.benchmarks.compute())  # already synced across ranks: sync_dist not needed
+        self.benchmarks.reset()
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import lightning
+import torch
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
+
+from qat_app.data.benchmarks import MMLU_CATEGORIES, MMLU_SUBJECT_CATEGORIES, MMLU_SUBJECTS, TASK_NAMES
+
+# Rows of vocabulary-sized log-softmax evaluated at once: bounds the temporary to ~100 MB at 49k vocab.
+_LOGSOFTMAX_CHUNK_ROWS = 512
+
+
+class MultipleChoiceMetric(Metric):
+    """acc / acc_norm over examples, each counted once however often it was seen.
+
+    Lightning's DistributedSampler pads the last batch with repeats of earlier examples; states are
+    concatenated across ranks and de-duplicated by ``example_id`` in :meth:`compute`.
+    """
+
+    full_state_update = False
+    higher_is_better = True
+    is_differentiable = False
+
+    def __init__(self, num_subjects: int = 0, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.num_subjects = num_subjects
+        # float/long states: gloo cannot all-gather bool tensors
+        self.add_state("example_ids", default=[], dist_reduce_fx="cat")
+        self.add_state("correct", default=[], dist_reduce_fx="cat")
+        self.add_state("correct_norm", default=[], dist_reduce_fx="cat")
+        self.add_state("subject_ids", default=[], dist_reduce_fx="cat")
+
+    def update(
+        self,
+        example_ids: torch.Tensor,
+        correct: torch.Tensor,
+        correct_norm: torch.Tensor,
+        subject_ids: torch.Tensor | None = None,
+    ) -> None:
+        self.example_ids.append(example_ids.long())
+        self.correct.append(correct.float())
+        self.correct_norm.append(correct_norm.float())
+        self.subject_ids.append(torch.zeros_like(example_ids) if subject_ids is None else subject_ids.long())
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        example_ids = dim_zero_cat(self.example_ids)
+        first = first_occurrences(example_ids)
+        correct = dim_zero_cat(self.correct)[first]
+        correct_norm = dim_zero_cat(self.correct_norm)[first]
+        result = {
+            "acc": correct.mean(),
+            "acc_norm": correct_norm.mean(),
+            "count": torch.tensor(float(first.numel()), device=correct.device),
+        }
+        if self.num_subjects:
+            subjects = dim_zero_cat(self.subject_ids)[first]
+            result["subject_count"] = torch.bincount(subjects, minlength=self.num_subjects).float()
+            result["subject_correct"] = torch.bincount(subjects, weights=correct, minlength=self.num_subjects)
+            result["subject_correct_norm"] = torch.bincount(subjects, weights=correct_norm, minlength=self.num_subjects)
+        return result
+
+
+def first_occurrences(ids: torch.Tensor) -> torch.Tensor:
+    """Index of the first occurrence of every distinct value of ``ids`` (sorted by value)."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    positions = torch.arange(ids.numel(), device=ids.device)
+    first = torch.full((unique.numel(),), ids.numel(), dtype=torch.long, device=ids.device)
+    return first.scatter_reduce(0, inverse, positions, reduce="amin")
+
+
+@dataclass
+class ScoredBatch:
+    choice_loglik: torch.Tensor  # [M] summed log-prob of each choice's continuation
+    loglik: torch.Tensor  # [E, max_choices], -inf where an example has fewer choices
+    pred: torch.Tensor  # [E] argmax of loglik
+    pred_norm: torch.Tensor  # [E] argmax of loglik / choice length in characters
+    correct: torch.Tensor  # [E] bool
+    correct_norm: torch.Tensor  # [E] bool
+
+
+@dataclass(frozen=True)
+class _ForwardSupport:
+    position_ids: bool
+    logits_to_keep: bool
+    use_cache: bool
+
+
+def _forward_support(model: nn.Module) -> _ForwardSupport:
+    parameters = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    # logits_to_keep/use_cache only when named: a **kwargs wrapper may forward them somewhere that rejects them
+    return _ForwardSupport(
+        position_ids="position_ids" in parameters or takes_any,
+        logits_to_keep="logits_to_keep" in parameters,
+        use_cache="use_cache" in parameters,
+    )
+
+
+def packed_attention_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[R, 1, T, T] mask for packed rows: causal, every token sees the shared context (segment 0) and its
+    own segment only. Padding (segment -1) sees only earlier padding, so no softmax row is empty.
+    Boolean (True = attend) when ``dtype`` is None, else additive (0 / dtype min)."""
+    length = segment_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    query, key = segment_ids[:, :, None], segment_ids[:, None, :]
+    allowed = causal & ((key == 0) | (key == query))
+    allowed = allowed[:, None]
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def forward_logits(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
+    """Run the model on a benchmark batch; returns logits and the input position of logits[:, 0]."""
+    input_ids = batch["input_ids"]
+    support = _forward_support(model)
+    kwargs: dict[str, Any] = {"input_ids": input_ids}
+    if batch["layout"] == "packed":
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
+        if not support.position_ids or "flash" in attention or "flex" in attention:
+            raise ValueError(
+                f"{type(model).__name__} (attention {attention!r}) cannot take the packed 4-D attention mask; "
+                "build BenchmarkDataModule(pack_choices=False)"
+            )
+        # SDPA takes a boolean mask; eager attention adds the mask to its scores
+        mask_dtype = None if attention == "sdpa" else _model_dtype(model)
+        kwargs["attention_mask"] = packed_attention_mask(batch["segment_ids"], mask_dtype)
+        kwargs["position_ids"] = batch["position_ids"]
+        if support.logits_to_keep:
+            kwargs["logits_to_keep"] = int(batch["logits_to_keep"])
+    else:
+        kwargs["attention_mask"] = batch["attention_mask"]
+    if support.use_cache:
+        kwargs["use_cache"] = False
+    output = model(**kwargs)
+    logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
+    return logits, input_ids.shape[1] - logits.shape[1]
+
+
+@torch.no_grad()
+def score_batch(model: nn.Module, batch: Mapping[str, Any]) -> ScoredBatch:
+    """Summed continuation log-likelihood of every choice in the batch, and the predictions."""
+    logits, offset = forward_logits(model, batch)
+    rows, cols, tokens = batch["target_row"], batch["target_pos"] - offset, batch["target_token"]
+    token_logprobs = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
+    for start in range(0, rows.numel(), _LOGSOFTMAX_CHUNK_ROWS):
+        chunk = slice(start, start + _LOGSOFTMAX_CHUNK_ROWS)
+        selected = logits[rows[chunk], cols[chunk]].float()
+        token_logprobs[chunk] = selected.gather(1, tokens[chunk, None]).squeeze(1) - selected.logsumexp(-1)
+
+    choice_example, choice_slot = batch["choice_example"], batch["choice_slot"]
+    choice_loglik = torch.zeros(choice_example.numel(), dtype=torch.float32, device=logits.device)
+    choice_loglik.index_add_(0, batch["target_choice"], token_logprobs)
+
+    shape = (batch["example_id"].numel(), int(batch["max_choices"]))
+    loglik = torch.full(shape, float("-inf"), device=logits.device)
+    loglik[choice_example, choice_slot] = choice_loglik
+    char_length = torch.ones(shape, device=logits.device)
+    char_length[choice_example, choice_slot] = batch["choice_char_length"].float()
+    pred = loglik.argmax(1)  # first maximum on ties, like numpy's argmax in lm-eval
+    pred_norm = (loglik / char_length).argmax(1)
+    gold = batch["gold"]
+    return ScoredBatch(choice_loglik, loglik, pred, pred_norm, pred == gold, pred_norm == gold)
+
+
+class BenchmarkEvaluator(nn.Module):
+    """Scores benchmark batches and keeps one :class:`MultipleChoiceMetric` per task.
+
+    A ``nn.Module`` so the metrics follow the LightningModule to its device.
+    """
+
+    def __init__(self, task_names: list[str]):
+        super().__init__()
+        unknown = [task for task in task_names if task not in TASK_NAMES]
+        if unknown:
+            raise ValueError(f"unknown benchmark task(s) {unknown}; known tasks: {', '.join(TASK_NAMES)}")
+        self.task_names = list(task_names)
+        self.metrics = nn.ModuleDict(
+            {task: MultipleChoiceMetric(num_subjects=len(MMLU_SUBJECTS) if task == "mmlu" else 0) for task in task_names}
+        )
+
+    def update(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
+        task = batch["benchmark"]
+        if task not in self.metrics:
+            raise ValueError(f"batch of task {task!r}, but this evaluator tracks {self.task_names}")
+        scored = score_batch(model, batch)
+        self.metrics[task].update(batch["example_id"], scored.correct, scored.correct_norm, batch["subject_index"])
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        """``<task>/acc``, ``<task>/acc_norm``, ``<task>/count``; for MMLU also ``mmlu/<subject>/acc`` and
+        lm-eval's category groups ``mmlu_<category>/acc`` (both weighted by size). Tasks without any
+        update since the last reset are left out."""
+        results: dict[str, torch.Tensor] = {}
+        for task, metric in self.metrics.items():
+            if metric.update_count == 0:
+                continue
+            values = metric.compute()
+            for name in ("acc", "acc_norm", "count"):
+                results[f"{task}/{name}"] = values[name]
+            if task == "mmlu":
+                results.update(_mmlu_breakdown(values))
+        return results
+
+    def reset(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+
+
+def _mmlu_breakdown(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    counts, correct = values["subject_count"], values["subject_correct"]
+    results = {}
+    present = counts > 0
+    for index in torch.nonzero(present).flatten().tolist():
+        results[f"mmlu/{MMLU_SUBJECTS[index]}/acc"] = correct[index] / counts[index]
+    for category in MMLU_CATEGORIES:
+        members = torch.tensor(
+            [MMLU_SUBJECT_CATEGORIES[subject] == category for subject in MMLU_SUBJECTS], device=counts.device
+        )
+        total = counts[members].sum()
+        if total > 0:
+            results[f"mmlu_{category}/acc"] = correct[members].sum() / total
+    return results
+
+
+def move_batch(batch: Mapping[str, Any], device: torch.device | str) -> dict[str, Any]:
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def evaluate(
+    model: nn.Module,
+    datamodule,
+    stage: str = "validate",
+    evaluator: BenchmarkEvaluator | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Plain loop (no Trainer) over the datamodule's val or test loaders; returns metrics as floats."""
+    datamodule.setup(stage)
+    loaders = datamodule.val_dataloader() if stage == "validate" else datamodule.test_dataloader()
+    evaluator = evaluator or BenchmarkEvaluator(datamodule.task_names)
+    device = next(model.parameters()).device
+    evaluator.to(device)
+    evaluator.reset()
+    was_training = model.training
+    model.eval()  # dropout would corrupt the likelihoods
+    try:
+        for loader in loaders:
+            batches: Iterable = loader
+            if progress:
+                from tqdm.auto import tqdm
+
+                batches = tqdm(loader, desc=loader.dataset.task)
+            for batch in batches:
+                evaluator.update(model, move_batch(batch, device))
+    finally:
+        model.train(was_training)
+    return {key: float(value) for key, value in evaluator.compute().items()}
+
+
+class BenchmarkValidationModule(lightning.LightningModule):
+    """Minimal LightningModule that only runs benchmarks on a given model (e.g. a plain HF model),
+    so ``Trainer.validate``/``test`` score it exactly as a QAT run is scored during fit."""
+
+    def __init__(self, model: nn.Module, task_names: list[str], log_prefix: str = "val/"):
+        super().__init__()
+        self.model = model
+        self.benchmarks = BenchmarkEvaluator(task_names)
+        self.log_prefix = log_prefix
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.benchmarks.update(self.model, batch)
+
+    def test_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.benchmarks.update(self.model, batch)
+
+    def _log_and_reset(self, prefix: str) -> None:
+        values = self.benchmarks.compute()  # synced across ranks by torchmetrics
+        self.log_dict({f"{prefix}{key}": value for key, value in values.items()}, sync_dist=False)
+        self.benchmarks.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_and_reset(self.log_prefix)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_and_reset(self.log_prefix.replace("val", "test"))

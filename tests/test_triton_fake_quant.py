@@ -1,0 +1,230 @@
+"""The Triton HiF8 fake-quant kernel must match the plain-torch reference bit for bit.
+
+Runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set per test), and also on
+CUDA tensors with the compiled kernel when a GPU is present. Skips (with the reason) when triton is
+not installed.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton) -- the Triton kernel is untested")
+
+from qat_app import fake_quant  # noqa: E402
+from qat_app.fake_quant import _fake_quantize  # noqa: E402
+from qat_app.formats import HIF8_TABLE, hif8_encode  # noqa: E402
+from qat_app import triton_fake_quant as tfq  # noqa: E402
+from qat_app.triton_fake_quant import fake_quantize_triton, supports, triton_available  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # run the @triton.jit kernel on CPU tensors
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return request.param
+
+
+def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape and ours.device == ref.device
+    a, b = ours.cpu(), ref.cpu()
+    same = (a.view(INT_VIEW[a.dtype]) == b.view(INT_VIEW[b.dtype])) | (a.isnan() & b.isnan())
+    if not same.all():
+        bad = torch.nonzero(~same).flatten()[:8]
+        raise AssertionError(f"{int((~same).sum())} mismatches, e.g. at {bad.tolist()}: ours {a[bad]}, reference {b[bad]}")
+
+
+def assert_same_result(ours, ref) -> None:
+    assert_same_bits(ours.dequantized, ref.dequantized)
+    assert ours.amax.shape == () and ours.amax.dtype == torch.float32
+    assert_same_bits(ours.amax, ref.amax)
+    assert ours.clipped.shape == () and ours.clipped.dtype == torch.int64
+    assert int(ours.clipped) == int(ref.clipped)
+    if ref.codes is None:
+        assert ours.codes is None
+    else:
+        assert ours.codes.dtype == torch.uint8 and ours.codes.shape == ref.codes.shape
+        torch.testing.assert_close(ours.codes.cpu(), ref.codes.cpu(), rtol=0, atol=0)
+
+
+def nasty_tensor(n: int, dtype: torch.dtype, scale: float, max_val: float, seed: int = 0, specials: bool = True):
+    """Gaussian bulk plus, after scaling: saturating outliers, values at the clamp edge, HiF8
+    denormals and below-denormal values, float32 denormals, signed zeros, NaN and infinities."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * (max_val / scale / 3)
+    k = max(n // 20, 1)
+    idx = torch.randperm(n, generator=gen)
+    tail = torch.cat([
+        torch.tensor([1.5, 4, 100, 1e4]) * max_val,  # saturate
+        torch.tensor([max_val, np.nextafter(np.float32(max_val), np.float32(np.inf)).item()]),  # clamp edge
+        torch.tensor([2.0**-23, 2.0**-22, 1.5 * 2**-22, 2.0**-17, 2.0**-16, 2.0**-24, 1.2 * 2.0**-23, 3 * 2.0**-18]),
+    ])
+    if specials:
+        tail = torch.cat([tail, torch.tensor([0.0, -0.0, 1e-40, float("inf"), float("-inf"), float("nan")])])
+    tail = tail / scale
+    if not specials:  # finite in the input dtype too
+        tail = tail.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    sign = torch.where(torch.rand(tail.numel(), generator=gen) < 0.5, -1.0, 1.0)
+    tail = tail * sign
+    reps = (k + tail.numel() - 1) // tail.numel()
+    x[idx[:k]] = tail.repeat(reps)[:k]
+    x[idx[k:2 * k]] = torch.rand(k, generator=gen) * 2.0**-14 / scale  # HiF8 denormal range after scaling
+    x[idx[2 * k:3 * k]] = torch.rand(k, generator=gen) * 2.0**-21 / scale  # around the smallest denormal 2^-22
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("n,scale,max_val", [
+    (1, 2.0, 15.0),
+    (4095, 0.37, 15.0),
+    (4097, 3.1e3, 15.0),
+    (3 * 4096 + 17, 1.0, 32768.0),
+    (50_000, 0.011, 448.0),
+])
+def test_matches_reference_bit_for_bit(device, dtype, n, scale, max_val):
+    x = nasty_tensor(n, dtype, scale, max_val, seed=n).to(device)
+    s = torch.tensor(scale, device=device)
+    ours = fake_quantize_triton(x, s, max_val, want_codes=True)
+    ref = _fake_quantize(x, s, max_val, "hif8", True, None)
+    assert_same_result(ours, ref)
+    assert ours.dequantized.device == x.device and ours.codes.device == x.device
+
+
+@pytest.mark.parametrize("dtype,tie_bit", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)], ids=["bf16", "fp16"])
+def test_output_cast_rounds_ties_to_even(device, dtype, tie_bit):
+    """Scales that make q / scale land exactly halfway between two bf16/fp16 values."""
+    q = torch.tensor([1.0, 2.0, 0.5, 4.0, 0.25, -1.0, -8.0])
+    for odd in (1, 3, 5, 7):
+        target = 1.0 + odd * tie_bit  # a tie: odd multiple of half an ulp of the output dtype
+        s = torch.tensor(1.0 / target, dtype=torch.float32)
+        ties = (q / s) == q * target
+        assert ties.all(), "test precondition: q / scale is the exact tie"
+        x = q.to(dtype).to(device)  # x * s rounds back to q on the HiF8 grid
+        ours = fake_quantize_triton(x, s.to(device), 15.0)
+        ref = _fake_quantize(x, s.to(device), 15.0, "hif8", False, None)
+        assert_same_bits(ours.dequantized, ref.dequantized)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_amax_and_clipped_without_nan(device, dtype):
+    x = nasty_tensor(20_000, dtype, 0.5, 15.0, seed=1, specials=False).to(device)
+    s = torch.tensor(0.5, device=device)
+    ours = fake_quantize_triton(x, s, 15.0)
+    ref = _fake_quantize(x, s, 15.0, "hif8", False, None)
+    assert ours.codes is None
+    assert_same_result(ours, ref)
+    assert torch.isfinite(ours.amax) and ours.amax.item() == x.float().abs().max().item()
+    assert ours.clipped.item() > 0
+
+
+def test_nan_and_inf_reach_amax(device):
+    s = torch.tensor(1.0, device=device)
+    x = torch.randn(10_000, device=device)
+    x[9_999] = float("-inf")  # in the last, partial block
+    assert fake_quantize_triton(x, s, 15.0).amax.item() == float("inf")
+    x[123] = float("nan")  # NaN wins over inf, wherever the programs finish
+    for nan in (float("nan"), -float("nan")):
+        x[123] = nan
+        r = fake_quantize_triton(x, s, 15.0, want_codes=True)
+        assert torch.isnan(r.amax)
+        assert torch.isnan(r.dequantized[123]) and r.codes[123].item() == 0x80
+        assert r.dequantized[9_999].item() == -15.0 and r.clipped.item() == int((x.abs() > 15).sum())
+
+
+def test_all_zero_and_negative_zero(device):
+    x = torch.zeros(5000, device=device)
+    x[::2] = -0.0
+    r = fake_quantize_triton(x, torch.tensor(3.0, device=device), 15.0, want_codes=True)
+    assert r.amax.item() == 0.0 and not torch.signbit(r.amax)
+    assert not torch.signbit(r.dequantized).any()  # HiF8 has one zero
+    assert (r.codes == 0).all() and r.clipped.item() == 0
+
+
+def _dense_sweep() -> torch.Tensor:
+    """Every HiF8 value, every midpoint and their float32 neighbours, the denormal and overflow edges."""
+    grid = np.sort(HIF8_TABLE.numpy()[np.isfinite(HIF8_TABLE.numpy()) & (HIF8_TABLE.numpy() >= 0)])
+    grid = np.append(grid, np.float32(49152.0))
+    mids = ((grid[:-1].astype(np.float64) + grid[1:]) / 2).astype(np.float32)
+    edges = np.array([0, 2**-24, 2**-23, 2**-22, 2**-16, 2**-15, 32768, 40960, 1e30, np.inf, np.nan, 1e-45, 1.17e-38],
+                     dtype=np.float32)
+    parts = [grid, mids, edges]
+    parts += [np.nextafter(p, np.float32(0)) for p in parts] + [np.nextafter(p, np.float32(np.inf)) for p in parts]
+    values = np.concatenate(parts).astype(np.float32)
+    return torch.from_numpy(np.concatenate([values, -values]))
+
+
+def test_dense_sweep_rounding_and_codes(device):
+    """No clamping (max_val above the overflow tie) so every rounding branch and inf/NaN code is hit."""
+    x = _dense_sweep().to(device)
+    s = torch.tensor(1.0, device=device)
+    ours = fake_quantize_triton(x, s, 1e38, want_codes=True)
+    ref = _fake_quantize(x, s, 1e38, "hif8", True, None)
+    assert_same_result(ours, ref)
+    torch.testing.assert_close(ours.codes.cpu(), hif8_encode(x.cpu()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_stochastic_rounding_noise(device, dtype):
+    x = nasty_tensor(9000, dtype, 0.7, 15.0, seed=2).to(device)
+    s = torch.tensor(0.7, device=device)
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.randint(0, 1 << 23, x.shape, dtype=torch.int32, generator=gen).to(device)
+    ours = fake_quantize_triton(x, s, 15.0, want_codes=True, noise=noise)
+    ref = _fake_quantize(x, s, 15.0, "hif8", True, noise)
+    assert_same_result(ours, ref)
+
+
+def test_shapes_and_non_contiguous_input(device):
+    base = nasty_tensor(64 * 70, torch.bfloat16, 1.3, 15.0, seed=4).to(device).view(64, 70)
+    x = base.t()  # non-contiguous (70, 64)
+    s = torch.tensor(1.3, device=device)
+    ours = fake_quantize_triton(x, s, 15.0, want_codes=True)
+    ref = _fake_quantize(x, s, 15.0, "hif8", True, None)
+    assert ours.dequantized.shape == x.shape and ours.codes.shape == x.shape
+    assert_same_bits(ours.dequantized, ref.dequantized.contiguous())
+    torch.testing.assert_close(ours.codes, ref.codes, rtol=0, atol=0)
+
+
+def test_supports_and_availability(device):
+    x = torch.randn(10, device=device)
+    assert triton_available(x)
+    assert supports("hif8", x)
+    assert not supports("e4m3", x) and not supports("e5m2", x)
+    assert not supports("hif8", x.double())
+    assert not supports("hif8", x[:0])
+    assert not supports("hif8", x, scale=torch.ones(2, device=device))
+    assert not supports("hif8", x, noise=torch.zeros(10, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="does not handle"):
+        fake_quantize_triton(x.double(), torch.tensor(1.0, device=device), 15.0)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(10)
+    assert not triton_available(x) and not supports("hif8", x)
+
+
+def test_fake_quantize_uses_triton_only_for_cuda_hif8(monkeypatch):
+    """The dispatch in fake_quantize: CPU tensors (even under the interpreter) keep the torch path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(100)
+    s = torch.tensor(1.0)
+    assert fake_quant._triton_kernel_for(x, s, "hif8", None, "auto") is None  # CPU: torch.compile as before
+    if torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")
+        xc, sc = x.cuda(), s.cuda()
+        assert fake_quant._triton_kernel_for(xc, sc, "hif8", None, "auto") is tfq.fake_quantize_triton
+        assert fake_quant._triton_kernel_for(xc, sc, "hif8", None, "off") is None
+        assert fake_quant._triton_kernel_for(xc, sc, "e4m3", None, "on") is None
+        assert fake_quant._triton_kernel_for(xc, sc, "hif8", torch.zeros(100, dtype=torch.int32).cuda(), "on") is None
+        monkeypatch.setenv("QAT_APP_NO_TRITON", "1")
+        assert fake_quant._triton_kernel_for(xc, sc, "hif8", None, "on") is None
+        monkeypatch.delenv("QAT_APP_NO_TRITON")
+        ours = fake_quant.fake_quantize(xc, sc, 15.0, want_codes=True, fused="on")
+        assert_same_result(ours, _fake_quantize(xc, sc, 15.0, "hif8", True, None))
