@@ -2,7 +2,7 @@
 # `make test` (the whole test suite, slow tests included). Both install what they need first.
 PYTHON ?= python3
 
-.PHONY: install quickstart test test-fast
+.PHONY: install test-deps quickstart test test-fast
 
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt
@@ -11,7 +11,12 @@ install:
 quickstart: install
 	$(PYTHON) main.py fit --config configs/quickstart.yaml
 
-test: install
+# The Triton kernel's tests run on the CPU through Triton's interpreter; GPU machines already have
+# the triton their torch build pins, so it is only installed where it is missing.
+test-deps: install
+	$(PYTHON) -c "import triton" 2>/dev/null || $(PYTHON) -m pip install -q triton==3.6.0
+
+test: test-deps
 	$(PYTHON) -m pytest -q -ra
 
 test-fast: install

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['codes']} bytes of uint8 codes + {b['scales']} bytes of scales "
               f"({(b['codes'] + b['scales']) / quantized_params:.6f} bytes/param; BF16: 2)")
         print(f"  unquantized tensors in BF16:       {mib(b['dense'])}")
-        print(f"  amax-scaler state (fp32/int64):    {mib(b['scaler_state'])}")
+        print(f"  amax-scaler state (fp32/int64):    {b['scaler_state'] / 1024:8.1f} KiB")
         print(f"  safetensors header:                {hif8_bytes - sum(b.values())} bytes")
 
         t1 = time.perf_counter()

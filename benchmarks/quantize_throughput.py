@@ -5,7 +5,11 @@ dequantize, amax, saturation count) on a 64M-element tensor in bf16 and fp32, fo
 reference and the fused (torch.compile) kernel, and prints elements/s and the ratio to clone().
 Targets: fused within 4x of clone() on a CPU, within 1.5x on a GPU.
 
-    python benchmarks/quantize_throughput.py [--numel 67108864] [--device cuda] [--repeats 5]
+On CUDA, ``fused`` for HiF8 dispatches to the hand-written Triton kernel when triton is installed;
+``--triton`` (CUDA only) also times that kernel directly (``triton``, and ``triton+codes`` with the
+uint8 codes written too) and the torch.compile build of the reference (``inductor``) for comparison.
+
+    python benchmarks/quantize_throughput.py [--numel 67108864] [--device cuda] [--repeats 5] [--triton]
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qat_app.fake_quant import fake_quantize  # noqa: E402
+from qat_app.fake_quant import _dispatch, _fake_quantize, fake_quantize  # noqa: E402
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -41,21 +45,32 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-eager", action="store_true", help="skip the slow plain-torch reference")
+    parser.add_argument("--triton", action="store_true", help="CUDA: also time the Triton kernel and torch.compile")
     args = parser.parse_args()
     device = args.device
     print(f"device={device} ({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} CPU threads'}), "
           f"numel={args.numel:,}, torch {torch.__version__}")
-    print(f"{'dtype':>9} {'path':>6} {'seconds':>9} {'Gelem/s':>9} {'x clone':>8}")
+    print(f"{'dtype':>9} {'path':>12} {'seconds':>9} {'Gelem/s':>9} {'x clone':>8}")
     for dtype in (torch.bfloat16, torch.float32):
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(args.numel, device=device, dtype=dtype, generator=gen) * 3
         scale = torch.tensor(2.0, device=device)
         base = timed(lambda: x.clone(), device, args.repeats)
-        print(f"{str(dtype)[6:]:>9} {'clone':>6} {base:9.4f} {args.numel / base / 1e9:9.2f} {1.0:8.2f}")
+        print(f"{str(dtype)[6:]:>9} {'clone':>12} {base:9.4f} {args.numel / base / 1e9:9.2f} {1.0:8.2f}")
         paths = [("fused", "on")] + ([] if args.skip_eager else [("plain", "off")])
-        for label, fused in paths:
-            t = timed(lambda: fake_quantize(x, scale, 15.0, fused=fused), device, args.repeats)
-            print(f"{str(dtype)[6:]:>9} {label:>6} {t:9.4f} {args.numel / t / 1e9:9.2f} {t / base:8.2f}")
+        runs = [(label, lambda fused=fused: fake_quantize(x, scale, 15.0, fused=fused)) for label, fused in paths]
+        if args.triton and device == "cuda":
+            from qat_app.triton_fake_quant import fake_quantize_triton, supports
+
+            if supports("hif8", x, scale):
+                runs.append(("triton", lambda: fake_quantize_triton(x, scale, 15.0)))
+                runs.append(("triton+codes", lambda: fake_quantize_triton(x, scale, 15.0, want_codes=True)))
+            else:
+                print("  (triton not available: pip install triton)")
+            runs.append(("inductor", lambda: _dispatch(_fake_quantize, "on", x, scale, 15.0, "hif8", False, None)))
+        for label, fn in runs:
+            t = timed(fn, device, args.repeats)
+            print(f"{str(dtype)[6:]:>9} {label:>12} {t:9.4f} {args.numel / t / 1e9:9.2f} {t / base:8.2f}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,10 @@ class AmaxSaturationCallback(L.Callback):
         self._logged_step = -1
         self.summary_path: str | None = None
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # a resumed run logged the step before the checkpoint already: start with the next one
+        self._logged_step = trainer.global_step
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
         if step == self._logged_step or step == 0:
@@ -107,11 +111,13 @@ class AmaxSaturationCallback(L.Callback):
         }
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.summary_file or not trainer.is_global_zero:
+        if not self.summary_file:
+            return
+        directory = trainer.log_dir or trainer.default_root_dir  # a collective (broadcast): on every rank
+        if not trainer.is_global_zero:
             return
         summary = self.summary(pl_module)
         summary["global_step"] = trainer.global_step
-        directory = trainer.log_dir or trainer.default_root_dir
         os.makedirs(directory, exist_ok=True)
         self.summary_path = os.path.join(directory, self.summary_file)
         with open(self.summary_path, "w") as f:

@@ -14,9 +14,19 @@ import logging
 
 import lightning as L
 
+from qat_app.errors import ConfigError
 from qat_app.patch import quantized_linears, set_quantization
 
 log = logging.getLogger(__name__)
+
+
+def check_warmup_fits(warmup_steps: int, max_steps: int) -> None:
+    """Raise :class:`ConfigError` when the BF16 warmup is not shorter than the run (it would never quantize)."""
+    if max_steps > 0 and warmup_steps >= max_steps:
+        raise ConfigError(
+            f"warmup.warmup_steps ({warmup_steps}) must be smaller than trainer.max_steps ({max_steps}): the run "
+            "would never quantize"
+        )
 
 
 class BF16WarmupCallback(L.Callback):
@@ -27,7 +37,7 @@ class BF16WarmupCallback(L.Callback):
 
     def __init__(self, warmup_steps: int = 500, quantize_weights: bool = True, quantize_activations: bool = True) -> None:
         if warmup_steps < 0:
-            raise ValueError(f"BF16WarmupCallback.warmup_steps: must be >= 0, got {warmup_steps}")
+            raise ConfigError(f"warmup.warmup_steps: must be >= 0, got {warmup_steps}")
         self.warmup_steps = warmup_steps
         self.quantize_weights = quantize_weights
         self.quantize_activations = quantize_activations
@@ -41,11 +51,8 @@ class BF16WarmupCallback(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         max_steps = trainer.max_steps
-        if stage == "fit" and max_steps is not None and max_steps > 0 and self.warmup_steps >= max_steps:
-            raise ValueError(
-                f"BF16WarmupCallback.warmup_steps ({self.warmup_steps}) must be smaller than trainer.max_steps "
-                f"({max_steps}): the run would never quantize"
-            )
+        if stage == "fit" and max_steps is not None and max_steps > 0:
+            check_warmup_fits(self.warmup_steps, max_steps)
         if not quantized_linears(pl_module.model):
             log.warning("BF16WarmupCallback: the model has no HiF8Linear (quant.enabled=false?); nothing to switch")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
+from .errors import ConfigError
 from .formats import FORMATS, get_format
 
 AMAX_ALGOS = ("most_recent", "exp_smooth", "max", "current")
@@ -17,7 +18,7 @@ DEFAULT_MODULE_PATTERN = r"\.mlp\.(gate_proj|up_proj|down_proj|c_fc|c_proj|fc1|f
 DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\."
 
 
-class QuantConfigError(ValueError):
+class QuantConfigError(ConfigError):
     """A quantization setting is invalid; the message names the field and the allowed values."""
 
 

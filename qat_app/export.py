@@ -18,7 +18,9 @@
   ``steps_recorded``, counters) is stored unchanged (float32 / int64), together with the host-side
   ``has_history`` flag and the quantization switches, so activations are quantized exactly as in the
   QAT model (same delayed scale, or current scaling where the QAT model used it);
-* tensors that share storage (tied ``lm_head``/``embed_tokens``) are stored once (``aliases``).
+* tensors that share storage (tied ``lm_head``/``embed_tokens``) are stored once (``aliases``);
+* non-persistent buffers (rotary ``inv_freq`` ...) are stored as the model used them (a few bytes), so
+  the rebuilt model does not depend on how its constructor computes them.
 
 :func:`load_hif8` rebuilds the model from ``config.json``, patches it with the saved QuantConfig
 (checking that it selects exactly the layers in the layout), loads the weights (quantized weights
@@ -69,6 +71,7 @@ import torch
 from torch import nn
 
 from .config import QuantConfig
+from .errors import CheckpointError, QATError
 from .fake_quant import fake_quantize, fake_quantize_current
 from .formats import get_format
 from .linear import HiF8Linear
@@ -87,9 +90,10 @@ SCALER_NAMES = ("input_scaler", "weight_scaler", "grad_scaler")
 
 # roles of the tensors in the safetensors file
 ROLE_CODES, ROLE_SCALE, ROLE_DENSE, ROLE_SCALER, ROLE_OTHER = "codes", "scale", "dense", "scaler_state", "other"
+ROLE_BUFFER = "nonpersistent_buffer"  # rotary inv_freq & co: derived from the config, stored as they were used
 
 
-class ExportError(ValueError):
+class ExportError(QATError, ValueError):
     """Bad input to an export / load: the message names the offending file."""
 
 
@@ -216,28 +220,36 @@ def _save_model_files(model: nn.Module, tokenizer, directory: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------- HiF8 export
+_SAVED_SCALE_MASK = hasattr(HiF8Linear, "_dequantize")
+
+
 class HiF8ExportedLinear(HiF8Linear):
     """A ``HiF8Linear`` loaded from an 8-bit export; its weight holds ``decode(codes) / scale``.
 
-    In eval mode, while the weight is the loaded one, the forward pass uses it directly (cast to the
-    compute dtype), which is exactly the fake-quantized weight of the exported QAT model. Otherwise
-    (training, or a changed weight) it behaves as ``HiF8Linear``.
+    In eval mode, while the weight is the loaded one (moving the model to another device or dtype keeps
+    it; any in-place change or a new parameter does not), the forward pass uses it directly, cast to the
+    compute dtype, which is exactly the fake-quantized weight of the exported QAT model. Otherwise
+    (training mode, or a changed weight) it behaves as ``HiF8Linear``.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._exported_key: tuple | None = None
 
+    # (parameter identity, in-place version): survives .to(device/dtype), changes with any in-place update
     def mark_exported(self) -> None:
-        self._exported_key = (self.weight._version, self.weight.data_ptr())
+        self._exported_key = (id(self.weight), self.weight._version)
 
     @property
     def uses_exported_weight(self) -> bool:
-        return self._exported_key == (self.weight._version, self.weight.data_ptr())
+        return self._exported_key == (id(self.weight), self.weight._version)
 
     def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype):
-        if self.quantize_weights and not self.training and self._exported_key == (weight._version, weight.data_ptr()):
-            return weight.detach().to(dtype), None
+        if self.quantize_weights and not self.training and self._exported_key == (id(weight), weight._version):
+            w = weight.detach().to(dtype)  # already decode(codes)/scale: used as it is
+            # HiF8Linear returns (saved, scale, mask) and dequantizes ``saved`` when a scale is given
+            # (no scale: the tensor itself); older versions returned (weight, mask)
+            return (w, None, None) if _SAVED_SCALE_MASK else (w, None)
         return super()._quantize_weight(weight, dtype)
 
 
@@ -274,6 +286,7 @@ def export_hif8(
             "use export_hf (--format hf) for an unquantized model"
         )
     quant = _quant_of(model, layers)
+    staging = _StagingDir(out_dir, overwrite)  # refuse an existing export before any work
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
@@ -338,16 +351,20 @@ def export_hif8(
         else:
             add(key, value, ROLE_OTHER)
 
+    # non-persistent buffers (rotary inv_freq, ...): tiny; stored as the model used them (dtype included),
+    # so the rebuilt model does not depend on how its constructor or weight init computes them
+    for key, buf in model.named_buffers():
+        if key not in state and key not in entries:
+            add(key, buf, ROLE_BUFFER)
+
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    # non-persistent buffers (rotary inv_freq, ...) are rebuilt from the config; keep their dtype
-    buffer_dtypes = {k: _dtype_name(b.dtype) for k, b in model.named_buffers() if k not in state and b.is_floating_point()}
     if not lossless:
         log.warning(
             "unquantized tensors of the %s model are not exactly representable in %s: the reloaded model will differ "
             "from this one by that rounding (export with dtype=float32 for an exact copy)",
             _dtype_name(model_dtype), _dtype_name(storage_dtype),
         )
-    with _StagingDir(out_dir, overwrite) as tmp:
+    with staging as tmp:
         weights_path = tmp / WEIGHTS_FILE
         save_file(tensors, str(weights_path), metadata={"format": "pt", "qat_app_layout": LAYOUT_FILE})
         _save_model_files(model, tokenizer, tmp)
@@ -365,13 +382,14 @@ def export_hif8(
             "quant": quant.to_dict(),
             "quantized_layers": quantized,
             "aliases": aliases,
-            "buffer_dtypes": buffer_dtypes,
             "tensors": entries,
             "bytes": {
                 "codes": sum(tensors[k].numel() for k, e in entries.items() if e["role"] == ROLE_CODES),
                 "scales": sum(tensors[k].numel() * 4 for k, e in entries.items() if e["role"] == ROLE_SCALE),
                 "dense": sum(tensors[k].numel() * tensors[k].element_size() for k, e in entries.items() if e["role"] == ROLE_DENSE),
                 "scaler_state": sum(tensors[k].numel() * tensors[k].element_size() for k, e in entries.items() if e["role"] == ROLE_SCALER),
+                "other": sum(tensors[k].numel() * tensors[k].element_size() for k, e in entries.items()
+                             if e["role"] in (ROLE_OTHER, ROLE_BUFFER)),
             },
         }
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
@@ -449,6 +467,11 @@ def load_hif8(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+
     out_dir = Path(out_dir)
     layout = read_layout(out_dir)
     layout_path = out_dir / LAYOUT_FILE
@@ -458,7 +481,9 @@ def load_hif8(
         raise FileNotFoundError(f"{out_dir / 'config.json'}: missing (named by {layout_path})")
     config = AutoConfig.from_pretrained(str(out_dir), trust_remote_code=remote)
     model_dtype = resolve_dtype(dtype or layout["model_dtype"])
-    model = AutoModelForCausalLM.from_config(config, dtype=model_dtype, trust_remote_code=remote)
+    # every parameter and buffer is overwritten below (strictly checked): skip the random init
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=model_dtype, trust_remote_code=remote)
     try:
         quant = QuantConfig(**layout["quant"])
     except (TypeError, ValueError) as err:
@@ -481,7 +506,7 @@ def load_hif8(
     buffers = dict(model.named_buffers())
     state: dict[str, Any] = {}
     for key, entry in layout["tensors"].items():
-        if entry["role"] in (ROLE_CODES, ROLE_SCALE):
+        if entry["role"] in (ROLE_CODES, ROLE_SCALE, ROLE_BUFFER):
             continue
         target = params.get(key, buffers.get(key))
         value = tensors[key]
@@ -510,12 +535,17 @@ def load_hif8(
     except RuntimeError as err:
         raise ExportError(f"{layout_path} does not match the model built from {out_dir / 'config.json'}: {err}") from None
 
-    for key, dtype_name in (layout.get("buffer_dtypes", {}) if dtype is None else {}).items():
+    for key, entry in layout["tensors"].items():
+        if entry["role"] != ROLE_BUFFER:
+            continue
         owner, _, buffer = key.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        current = module._buffers.get(buffer)
-        if current is not None and _dtype_name(current.dtype) != dtype_name:
-            module._buffers[buffer] = current.to(resolve_dtype(dtype_name))
+        try:
+            module = model.get_submodule(owner) if owner else model
+        except AttributeError:
+            module = None
+        if module is None or buffer not in module._buffers:
+            raise ExportError(f"{layout_path} does not match the model built from config.json: it has no buffer {key}")
+        module._buffers[buffer] = tensors[key]
     for name, record in layout["quantized_layers"].items():
         layer = model.get_submodule(name)
         for scaler_name, has_history in record.get("has_history", {}).items():
@@ -591,36 +621,40 @@ def export_hf(
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def load_qat_checkpoint(path: str | os.PathLike, map_location: str = "cpu"):
-    """A ``QATModule`` restored from a Lightning checkpoint (hyper-parameters + state dict)."""
-    from .module import QATModule
+def load_qat_checkpoint(path: str | os.PathLike):
+    """A ``QATModule`` restored from a Lightning checkpoint (hyper-parameters + state dict), in eval mode.
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such checkpoint file")
-    try:
-        ckpt = torch.load(str(path), map_location=map_location, weights_only=False)
-    except Exception as err:
-        raise ExportError(f"{path}: not a readable PyTorch/Lightning checkpoint ({type(err).__name__}: {err})") from None
+    Raises :class:`qat_app.errors.CheckpointError` naming the file when it is unreadable or truncated, or
+    not a QATModule checkpoint.
+    """
+    from .checkpoint import load_checkpoint_file
+    from .module import CHECKPOINT_KEY, QATModule
+
+    path = str(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (--ckpt)")
+    # the hyper-parameters hold a QuantConfig object: a full (not weights-only) unpickling is needed
+    ckpt = load_checkpoint_file(path, weights_only=False)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise ExportError(f"{path}: not a Lightning checkpoint (no 'state_dict')")
+        raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
     hparams = ckpt.get("hyper_parameters") or {}
     state = ckpt["state_dict"]
     if "model_name" not in hparams or not any(k.startswith("model.") for k in state):
-        raise ExportError(
+        marker = " (it has no qat_app entry either)" if CHECKPOINT_KEY not in ckpt else ""
+        raise CheckpointError(
             f"{path} is not a QATModule checkpoint: it needs hyper-parameters with 'model_name' and a state dict "
-            f"under 'model.' (found hyper-parameters {sorted(hparams)[:8]})"
+            f"under 'model.' (found hyper-parameters {sorted(hparams)[:8]}){marker}"
         )
     accepted = set(inspect.signature(QATModule.__init__).parameters) - {"self"}
     kwargs = {k: v for k, v in dict(hparams).items() if k in accepted}
     quant = kwargs.get("quant")
-    if isinstance(quant, dict) or (quant is not None and not isinstance(quant, QuantConfig)):
-        kwargs["quant"] = QuantConfig(**dict(quant))
+    if quant is not None and not isinstance(quant, QuantConfig):
+        kwargs["quant"] = QuantConfig(**(vars(quant) if hasattr(quant, "__dict__") else dict(quant)))
     module = QATModule(**kwargs)
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise ExportError(f"{path}: the state dict does not fit the QATModule its hyper-parameters describe: {err}") from None
+        raise CheckpointError(f"{path}: the state dict does not fit the QATModule its hyper-parameters describe: {err}") from None
     module.eval()
     return module
 
@@ -655,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             export_hf(module, args.out, weights=args.hf_weights, dtype=args.dtype, compute_dtype=args.compute_dtype,
                       overwrite=args.overwrite)
             print(f"wrote {args.out}: {checkpoint_bytes(args.out) / 2**20:.1f} MiB")
-    except (ExportError, FileNotFoundError, FileExistsError) as err:
+    except (QATError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -137,7 +137,7 @@ def fake_quantize(
     kernel = _triton_kernel_for(x, scale, name, noise, fused)
     if kernel is not None:
         try:
-            return kernel(x, scale, float(max_val), want_codes)
+            return kernel(x, scale, float(max_val), want_codes, check=False)  # supports() was checked
         except Exception as err:  # e.g. no compiler for this GPU: fall back, same numbers
             if fused == "on":
                 raise
@@ -165,3 +165,15 @@ def fake_quantize_current(
 
 
 compute_scale = _current_scale
+
+
+def _dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, dtype: torch.dtype) -> torch.Tensor:
+    return (get_format(fmt_name).decode(codes, torch.float32) / scale).to(dtype)
+
+
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, fmt: str | Float8Format, dtype: torch.dtype, *, fused: str = "off"
+) -> torch.Tensor:
+    """uint8 codes of ``x * scale`` -> the dequantized tensor, bit-identical to ``fake_quantize``'s output."""
+    name = fmt if isinstance(fmt, str) else fmt.name
+    return _dispatch(_dequantize_codes, fused, codes, scale, name, dtype)

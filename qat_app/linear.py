@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QuantConfig
-from .fake_quant import FakeQuantResult, fake_quantize, fake_quantize_current
+from .fake_quant import FakeQuantResult, dequantize_codes, fake_quantize, fake_quantize_current
 from .formats import get_format
 from .scaling import AmaxScaler
 
@@ -133,7 +133,8 @@ class HiF8Linear(nn.Linear):
                 x, scaler.scale, scaler.max_val, scaler.margin, self.format, want_codes=want_codes, noise=noise, fused=fused
             )
             return result, scale
-        return fake_quantize(x, scaler.scale, scaler.max_val, self.format, want_codes=want_codes, noise=noise, fused=fused), scaler.scale
+        result = fake_quantize(x, scaler.scale, scaler.max_val, self.format, want_codes=want_codes, noise=noise, fused=fused)
+        return result, scaler.scale.clone()  # a snapshot: the buffer moves on at the step boundary
 
     def _quantize_input(self, x: torch.Tensor):
         """-> (x for the matmul, codes or None, scale or None, clipped-mask or None)."""
@@ -150,24 +151,33 @@ class HiF8Linear(nn.Linear):
         return result.dequantized, result.codes, scale, mask
 
     def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype):
-        """-> (weight for the matmul, clipped-mask or None); cached until the weight or scale changes."""
+        """-> (saved: uint8 codes or the weight itself, scale or None, clipped-mask or None).
+
+        Quantized once per optimizer step: the codes (1 byte per parameter) are cached until the
+        parameter changes (``_version``) or the scale does; forward and backward decode them.
+        """
         scaler = self.weight_scaler
         key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.quant.ste)
         if self._weight_cache is None or self._weight_cache[0] != key:
+            self._weight_cache = None  # free the old codes before making new ones
             w = weight.detach().to(dtype)
             if self.quantize_weights:
-                result, scale = self._fake_quantize(w, scaler, want_codes=False)
+                result, scale = self._fake_quantize(w, scaler, want_codes=True)
                 mask = (w.float() * scale).abs() <= scaler.max_val if self.quant.ste == "clipped" else None
-                stats = (result.amax, result.clipped)
-                w = result.dequantized
+                entry = (result.codes, scale.clone(), mask, (result.amax, result.clipped))
             else:
-                mask, stats = None, (w.abs().amax(), None)
-            self._weight_cache = (key, w, mask, stats)
+                entry = (w, None, None, (w.abs().amax(), None))
+            self._weight_cache = (key, *entry)
             scaler.observed_this_step = False
-        _, w, mask, stats = self._weight_cache
+        _, saved, scale, mask, stats = self._weight_cache
         if self.training and not scaler.observed_this_step:
             scaler.observe(stats[0], stats[1], weight.numel())
-        return w, mask
+        return saved, scale, mask
+
+    def _dequantize(self, saved: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if scale is None:  # not quantized: the tensor itself
+            return saved
+        return dequantize_codes(saved, scale, self.format, dtype, fused=self.quant.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _HiF8LinearFunction.apply(x, self.weight, self.bias, self)
@@ -180,26 +190,22 @@ class _HiF8LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x_c = x.to(dtype)
             xq, x_codes, x_scale, x_mask = module._quantize_input(x_c)
-            wq, w_mask = module._quantize_weight(weight, dtype)
+            w_saved, w_scale, w_mask = module._quantize_weight(weight, dtype)
             b = bias.to(dtype) if bias is not None else None
-            out = F.linear(xq, wq, b)
+            out = F.linear(xq, module._dequantize(w_saved, w_scale, dtype), b)
         ctx.module = module
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None, dtype)
         ctx.has_bias = bias is not None
-        ctx.saved_codes = x_codes is not None
-        saved_x = x_codes if x_codes is not None else xq
-        ctx.save_for_backward(saved_x, x_scale, wq, x_mask, w_mask)
+        # backward needs the quantized input and weight: kept as 8-bit codes + scale where possible
+        x_saved, x_saved_scale = (x_codes, x_scale) if x_codes is not None else (xq, None)
+        ctx.save_for_backward(x_saved, x_saved_scale, w_saved, w_scale, x_mask, w_mask)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        saved_x, x_scale, wq, x_mask, w_mask = ctx.saved_tensors
+        x_saved, x_scale, w_saved, w_scale, x_mask, w_mask = ctx.saved_tensors
         module: HiF8Linear = ctx.module
         x_dtype, w_dtype, b_dtype, dtype = ctx.dtypes
-        if ctx.saved_codes:
-            xq = (module.format.decode(saved_x, torch.float32) / x_scale).to(dtype)
-        else:
-            xq = saved_x
         g = grad_out.to(dtype)
         if module.grad_scaler is not None and not module.quantize_grads:
             module.grad_scaler.observe(g.detach().abs().amax(), None, g.numel())
@@ -212,11 +218,12 @@ class _HiF8LinearFunction(torch.autograd.Function):
             g = result.dequantized
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = g @ wq
+            grad_x = g @ module._dequantize(w_saved, w_scale, dtype)
             if x_mask is not None:
                 grad_x = grad_x * x_mask
             grad_x = grad_x.to(x_dtype)
         if ctx.needs_input_grad[1]:
+            xq = module._dequantize(x_saved, x_scale, dtype)
             grad_w = g.reshape(-1, g.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
             if w_mask is not None:
                 grad_w = grad_w * w_mask

@@ -1,11 +1,17 @@
 """The LightningModule: a pretrained causal LM, patched for HiF8 W8A8 QAT, trained on causal-LM loss.
 
 Per optimizer step (``on_before_optimizer_step``, after the last micro-batch's backward):
-  1. the gradient norm is computed; a non-finite loss or gradient skips the step (every grad is
-     dropped, so AdamW leaves weights and moments alone) and the amax observations of the step are
-     discarded, so a NaN never reaches a history or a scale;
-  2. otherwise every scaler is advanced once (after one MAX all-reduce of the step amax across
-     data-parallel ranks), so ``history_len`` counts optimizer steps.
+  1. the gradient norm is computed and, with a flag of whether any micro-batch loss of the step was
+     non-finite, reduced across data-parallel ranks together with the step amax of every scaler (one
+     MAX all-reduce on one flat buffer, :func:`qat_app.scaling.sync_step_amax`), so all ranks take the
+     same decision and hold the same histories;
+  2. a non-finite loss or gradient (on any rank, in any micro-batch of the step) skips the step: every
+     grad is dropped, so AdamW leaves weights and moments alone, and the amax observations of the step
+     are discarded, so a NaN never reaches a history or a scale. The skip is logged
+     (``train/skipped_steps``) and counted; ``max_consecutive_nonfinite`` bad steps in a row stop the run
+     with :class:`NonFiniteStepError` *before* anything of the bad step is checkpointed;
+  3. otherwise every scaler is advanced once, so ``history_len`` counts optimizer steps.
+This costs one host sync per optimizer step (none per forward).
 Validation batches are either LM blocks (loss / perplexity) or benchmark batches (``"benchmark"``
 key), scored by :class:`qat_app.scoring.BenchmarkEvaluator`.
 """
@@ -20,16 +26,23 @@ import lightning as L
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .config import QuantConfig
+from .config import QuantConfig, QuantConfigError
+from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
 from .patch import QuantReport, quantize_model, quantized_linears
-from .scaling import AmaxScaler, all_scalers, advance_all
+from .scaling import AmaxScaler, all_scalers, sync_step_amax
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteStepError(RuntimeError):
-    pass
+CHECKPOINT_KEY = "qat_app"  # our entry in Lightning checkpoints (marks a QATModule checkpoint)
+CHECKPOINT_FORMAT = 1
+
+
+class NonFiniteStepError(QATError, RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+    exit_code = 1
 
 
 class QATModule(L.LightningModule):
@@ -46,7 +59,8 @@ class QATModule(L.LightningModule):
         lr_schedule: ``cosine`` (linear warmup, cosine decay to ``min_lr_ratio * lr`` at
             ``trainer.max_steps``) or ``constant`` (after the linear warmup).
         lr_warmup_steps: linear LR warmup steps (unrelated to the BF16 quantization warmup).
-        max_consecutive_nonfinite: stop after this many skipped (NaN/inf) steps in a row.
+        max_consecutive_nonfinite: stop after this many skipped (NaN/inf) steps in a row (with fp16
+            ``16-mixed`` the loss scaler's overflow steps count too).
         gradient_checkpointing: trade compute for activation memory.
     """
 
@@ -68,14 +82,16 @@ class QATModule(L.LightningModule):
         gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"model.lr: must be > 0, got {lr}")
+        if not lr > 0:
+            raise ConfigError(f"model.lr: must be > 0, got {lr}")
         if lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"model.lr_schedule: unknown schedule {lr_schedule!r}; allowed: cosine, constant")
+            raise ConfigError(f"model.lr_schedule: unknown schedule {lr_schedule!r}; allowed: cosine, constant")
         if not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(f"model.min_lr_ratio: must be in [0, 1], got {min_lr_ratio}")
+            raise ConfigError(f"model.min_lr_ratio: must be in [0, 1], got {min_lr_ratio}")
         if lr_warmup_steps < 0:
-            raise ValueError(f"model.lr_warmup_steps: must be >= 0, got {lr_warmup_steps}")
+            raise ConfigError(f"model.lr_warmup_steps: must be >= 0, got {lr_warmup_steps}")
+        if not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
+            raise ConfigError(f"model.max_consecutive_nonfinite: must be an integer >= 1, got {max_consecutive_nonfinite!r}")
         self.save_hyperparameters()
         self.quant = quant
         self.model, self.tokenizer = load_causal_lm(
@@ -86,10 +102,19 @@ class QATModule(L.LightningModule):
             self.model.gradient_checkpointing_enable()
         self.quant_report: QuantReport | None = quantize_model(self.model, quant) if quant.enabled else None
         if self.quant_report is not None:
+            if self.quant_report.num_linears == 0:
+                blocks = self.quant_report.num_blocks
+                raise QuantConfigError(
+                    f"quant.module_pattern {quant.module_pattern!r} matches no linear layer inside the quantized blocks "
+                    f"(quant.high_precision_layers={quant.high_precision_layers} keeps the first "
+                    f"{math.ceil(quant.high_precision_layers / 2)} and last {quant.high_precision_layers // 2} of "
+                    f"{blocks} blocks in high precision): nothing would be quantized"
+                )
             log.info(self.quant_report.summary())
         self.scalers: list[AmaxScaler] = all_scalers(self.model)
         self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
-        self.consecutive_nonfinite = 0
+        self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
+        self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step
         self.evaluator = None  # built lazily when benchmark batches arrive
 
     # --------------------------------------------------------------------------------- training
@@ -99,36 +124,67 @@ class QATModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
         loss = out.loss
+        # device-side flag over the micro-batches of this optimizer step (no host sync here)
+        bad = ~torch.isfinite(loss.detach())
+        self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
         self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        else:
+            grad_norm = torch.zeros((), device=self.device)
         self.log("train/grad_norm", grad_norm, on_step=True)
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, prog_bar=True)
-        if bool(torch.isfinite(grad_norm)):  # one host sync per optimizer step, not per forward
+        bad = ~torch.isfinite(grad_norm)
+        if self._loss_nonfinite is not None:
+            bad = bad | self._loss_nonfinite.to(bad.device)
+        self._loss_nonfinite = None
+        # one collective: the step amax of every scaler and the bad-step flag (so all ranks agree)
+        bad = sync_step_amax(self.scalers, bad_step=bad)
+        if not bool(bad):  # the one host sync per optimizer step
             self.consecutive_nonfinite = 0
-            advance_all(self.scalers)
-            return
-        self._skip_step(optimizer)
+            for scaler in self.scalers:
+                scaler.advance()
+        else:
+            self._skip_step(optimizer)
+        self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
 
     def _skip_step(self, optimizer) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # AdamW skips parameters without a gradient: weights and moments stay
         for scaler in self.scalers:
-            scaler.discard_step()
+            scaler.discard_step()  # the step's (NaN) observations never reach a history or a scale
         self.skipped_steps += 1
         self.consecutive_nonfinite += 1
-        self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
-        log.warning("non-finite loss or gradient at step %d: optimizer step skipped", self.global_step)
         limit = self.hparams.max_consecutive_nonfinite
+        log.warning(
+            "non-finite loss or gradient at optimizer step %d: step skipped, amax observations discarded "
+            "(%d in a row, %d in total; the run stops at %d in a row)",
+            self.global_step, self.consecutive_nonfinite, int(self.skipped_steps), limit,
+        )
         if self.consecutive_nonfinite >= limit:
             raise NonFiniteStepError(
-                f"{self.consecutive_nonfinite} consecutive optimizer steps had a non-finite loss or gradient "
-                f"(model.max_consecutive_nonfinite={limit}); stopping. The last checkpoint holds the last good state."
+                f"{self.consecutive_nonfinite} consecutive optimizer steps (up to step {self.global_step}) had a "
+                f"non-finite loss or gradient (model.max_consecutive_nonfinite={limit}); stopping before anything of "
+                "them is checkpointed, so the last checkpoint holds the last good state. Resume from it with a lower "
+                "learning rate, a different seed, or fix the data."
             )
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[CHECKPOINT_KEY] = {
+            "format": CHECKPOINT_FORMAT,
+            "consecutive_nonfinite": self.consecutive_nonfinite,
+            "quantized_modules": list(self.quant_report.modules) if self.quant_report is not None else [],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY) or {}
+        self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
 
     def configure_optimizers(self):
         decay, no_decay = [], []
@@ -144,7 +200,7 @@ class QATModule(L.LightningModule):
         total = self.trainer.max_steps if self.trainer is not None else -1
         schedule = self.hparams.lr_schedule
         if schedule == "cosine" and (total is None or total <= 0):
-            raise ValueError("model.lr_schedule=cosine needs trainer.max_steps > 0 (or use lr_schedule: constant)")
+            raise ConfigError("model.lr_schedule=cosine needs trainer.max_steps > 0 (or use lr_schedule: constant)")
         lr_lambda = lr_multiplier(schedule, self.hparams.lr_warmup_steps, total, self.hparams.min_lr_ratio)
         scheduler = LambdaLR(optimizer, lr_lambda)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

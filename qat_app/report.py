@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from .errors import QATError
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.csv"
@@ -59,7 +61,7 @@ MAIN_TABLE_RE = re.compile(r"^(val|test)/[^/]+/[^/]+$")  # split/task/metric (pe
 _VERSION_RE = re.compile(r"^version_(\d+)$")
 
 
-class ReportError(ValueError):
+class ReportError(QATError, ValueError):
     """Bad report input; the message names the file."""
 
 
@@ -171,6 +173,13 @@ class Run:
                 out[step] = sum(finite) / len(finite) if finite else values[-1]
         return dict(sorted(out.items()))
 
+    def train_loss(self) -> dict[int, float]:
+        """step -> train/loss (``train/loss_step`` when the loss was also logged per epoch)."""
+        for key in ("train/loss", "train/loss_step"):
+            if key in self.columns:
+                return self.series(key)
+        return {}
+
     def last(self, key: str) -> float | None:
         """The value at the last step ``key`` was logged (None if never)."""
         values = self.series(key)
@@ -185,6 +194,10 @@ class Run:
             elif col.startswith("sat/") and col.endswith("/clipped_frac") and col.count("/") >= 2:
                 names.add(col[len("sat/"):-len("/clipped_frac")])
         return sorted(names, key=_natural_key)
+
+
+def _last(series: dict[int, float]) -> float | None:
+    return series[max(series)] if series else None
 
 
 def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
@@ -263,7 +276,7 @@ def compare(baseline: Run, qat: Run, keys: list[str], ape_from_step: int = 0) ->
         b, q = baseline.last(key), qat.last(key)
         benchmarks.append({"metric": key, "baseline": b, "qat": q, "relative_drop_pct": relative_drop(b, q)})
     main_drops = [r["relative_drop_pct"] for r in benchmarks if MAIN_TABLE_RE.match(r["metric"]) and math.isfinite(r["relative_drop_pct"])]
-    ape, n = loss_ape(baseline.series("train/loss"), qat.series("train/loss"), ape_from_step)
+    ape, n = loss_ape(baseline.train_loss(), qat.train_loss(), ape_from_step)
     return {
         "label": qat.label,
         "path": str(qat.path),
@@ -271,7 +284,7 @@ def compare(baseline: Run, qat: Run, keys: list[str], ape_from_step: int = 0) ->
         "mean_relative_drop_pct": sum(main_drops) / len(main_drops) if main_drops else math.nan,
         "train_loss_ape_pct": ape,
         "ape_common_steps": n,
-        "final_train_loss": qat.last("train/loss"),
+        "final_train_loss": _last(qat.train_loss()),
         "final_val_loss": qat.last("val/loss"),
         "saturation": saturation_stats(qat),
     }
@@ -313,7 +326,7 @@ def render_markdown(baseline: Run, results: list[dict], keys: list[str], ape_fro
     since = f", steps >= {ape_from_step}" if ape_from_step else ""
     row(f"train-loss APE % (common steps{since})", "–",
         [(f"{_fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']})", "") for r in results])
-    row("final train loss", _fmt(baseline.last("train/loss")),
+    row("final train loss", _fmt(_last(baseline.train_loss())),
         [(_fmt(r["final_train_loss"]), "") for r in results])
     if baseline.last("val/loss") is not None or any(r["final_val_loss"] is not None for r in results):
         row("final val loss", _fmt(baseline.last("val/loss")), [(_fmt(r["final_val_loss"]), "") for r in results])
@@ -351,7 +364,7 @@ def write_csv(path: Path, baseline: Run, results: list[dict]) -> None:
                 w.writerow([r["label"], b["metric"], cell(b["baseline"]), cell(b["qat"]), cell(b["relative_drop_pct"]), ""])
             w.writerow([r["label"], "mean_relative_drop_pct", "", cell(r["mean_relative_drop_pct"]), "", ""])
             w.writerow([r["label"], "train_loss_ape_pct", "", cell(r["train_loss_ape_pct"]), "", r["ape_common_steps"]])
-            w.writerow([r["label"], "final_train_loss", cell(baseline.last("train/loss")), cell(r["final_train_loss"]), "", ""])
+            w.writerow([r["label"], "final_train_loss", cell(_last(baseline.train_loss())), cell(r["final_train_loss"]), "", ""])
             w.writerow([r["label"], "final_val_loss", cell(baseline.last("val/loss")), cell(r["final_val_loss"]), "", ""])
             sat = r["saturation"] or {}
             for name in ("events", "clipped", "seen", "clipped_frac"):
@@ -372,10 +385,10 @@ def _plt():
 def plot_loss_curves(path: Path, baseline: Run, qats: list[Run], results: list[dict]) -> None:
     plt = _plt()
     fig, (ax, ax_err) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    base = baseline.series("train/loss")
+    base = baseline.train_loss()
     for i, run in enumerate([baseline] + qats):
         color = "black" if i == 0 else f"C{i - 1}"
-        loss = run.series("train/loss")
+        loss = run.train_loss()
         if loss:
             ax.plot(list(loss), list(loss.values()), color=color, lw=1.2, label=f"{run.label} train")
         val = run.series("val/loss")
@@ -558,7 +571,7 @@ def build_report(
             run.label = f"{run.label}#{seen[run.label]}"
         seen.setdefault(run.label, 1)
     for run in [baseline] + qats:
-        if not run.series("train/loss"):
+        if not run.train_loss():
             log.warning("%s: no train/loss rows in %s", run.label, ", ".join(map(str, run.files)))
     keys = benchmark_keys([baseline] + qats, benchmarks)
     results = [compare(baseline, run, keys, ape_from_step) for run in qats]
@@ -574,7 +587,7 @@ def build_report(
     plot_heatmap(out / FIGURES[2], qats)
     report = {
         "baseline": {"label": baseline.label, "path": str(baseline.path), "files": [str(f) for f in baseline.files],
-                     "final_train_loss": baseline.last("train/loss"), "final_val_loss": baseline.last("val/loss"),
+                     "final_train_loss": _last(baseline.train_loss()), "final_val_loss": baseline.last("val/loss"),
                      "benchmarks": {k: baseline.last(k) for k in keys}},
         "qat": results,
         "ape_from_step": ape_from_step,

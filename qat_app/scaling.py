@@ -159,21 +159,44 @@ def all_scalers(model: nn.Module) -> list[AmaxScaler]:
     return [m for m in model.modules() if isinstance(m, AmaxScaler)]
 
 
+def _data_parallel(group=None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
 @torch.no_grad()
-def sync_step_amax(scalers: list[AmaxScaler], group=None) -> None:
+def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor | None = None) -> torch.Tensor | None:
     """Make every data-parallel rank hold the same step amax: one MAX all-reduce on one flat buffer.
 
-    NaN is mapped to +inf first (a MAX reduction may drop NaN); inf then marks the step invalid on
-    every rank alike. No-op without an initialised process group of more than one rank.
+    The buffer holds ``[step_amax, step_seen]`` of every scaler (and, when given, the rank's
+    ``bad_step`` flag, 1.0 where its loss/gradient was non-finite). NaN is mapped to +inf first (a
+    MAX reduction may drop NaN); inf then marks the step invalid on every rank alike, so every rank
+    pushes the same value (or nothing) into its history and computes the same scale.
+
+    The flag makes the skip decision collective: under a sharded strategy (FSDP) each rank sees only
+    its own gradient shard, so one rank's NaN must skip the step everywhere. Returns the reduced flag
+    (``bad_step`` itself on one process), or None when no flag was given.
+
+    Uses ``torch.distributed`` on ``group`` (default: the world group, which DDP and FSDP both use);
+    a no-op without an initialised process group of more than one rank. Saturation counters
+    (clipped / seen elements) stay per rank: the loggers report rank 0's.
     """
-    if not scalers or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return
-    flat = torch.stack([torch.stack([s.step_amax, s.step_seen]) for s in scalers])
+    if not _data_parallel(group):
+        return bad_step
+    parts = [torch.stack([s.step_amax, s.step_seen]) for s in scalers]
+    if bad_step is not None:
+        device = scalers[0].step_amax.device if scalers else bad_step.device
+        parts.append(bad_step.detach().float().reshape(1).to(device))
+    if not parts:
+        return bad_step
+    flat = torch.cat([p.reshape(-1) for p in parts]).float()
     flat = torch.nan_to_num(flat, nan=float("inf"), posinf=float("inf"))
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    for scaler, row in zip(scalers, flat):
-        scaler.step_amax.copy_(row[0])
-        scaler.step_seen.copy_(row[1])
+    for i, scaler in enumerate(scalers):
+        scaler.step_amax.copy_(flat[2 * i])
+        scaler.step_seen.copy_(flat[2 * i + 1])
+    if bad_step is None:
+        return None
+    return flat[-1].to(bad_step.device) > 0
 
 
 def advance_all(scalers: list[AmaxScaler], group=None) -> None:

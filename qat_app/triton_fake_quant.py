@@ -7,10 +7,17 @@ reduced per program and combined across programs with one atomic each. Two launc
 memset of the 16-byte accumulator and the kernel.
 
 Per element, on float32: ``scaled = x * scale`` -> clamp to +-max_val (NaN stays NaN) -> HiF8
-round on the int32 bit pattern (the same arithmetic as ``formats.hif8_round_f32``, including the
-stochastic variant when ``noise`` is given) -> ``q / scale`` as an IEEE round-to-nearest division
-(``tl.math.div_rn``: Triton's ``/`` and ``tl.fdiv(..., ieee_rounding=True)`` both lower to the
-approximate ``div.full.f32`` on NVIDIA) -> cast to the input dtype (round to nearest even).
+round (``formats.hif8_round_f32``: to nearest, ties away; stochastic when ``noise`` is given) ->
+``q / scale`` correctly rounded like torch's IEEE division -> cast to the input dtype (round to
+nearest even). How each step is made cheap and still exact is described in ``_triton_hif8_kernel.py``
+(the kernel is compute-bound if written like the reference): a 512-row table turns the rounding into
+``(bits + half) & mask``, a 4096-entry table gives the codes, and the division is a reciprocal plus
+one Markstein FMA correction (exact; Triton's ``/`` and ``tl.fdiv(..., ieee_rounding=True)`` lower
+to the approximate ``div.full.f32`` on NVIDIA and differ from torch in ~28% of cases).
+
+H200, 64M elements, device time (profiler): bf16 1.25x a clone() (80 vs 64 us), fp32 1.05x
+(133 vs 127 us); with codes 1.7x / 1.24x. Host overhead is ~50 us per call (mostly triton's
+launcher), hidden when the GPU is busy, visible in a benchmark that synchronises every call.
 
 amax: ``max |x|`` is taken on the int32 patterns with the sign bit cleared. For non-negative floats
 the integer order is the float order, and every NaN pattern (> 0x7F800000) is above +inf, so one
@@ -33,7 +40,12 @@ from .fake_quant import FakeQuantResult
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = int(os.environ.get("QAT_APP_TRITON_BLOCK", "4096"))
-NUM_WARPS = int(os.environ.get("QAT_APP_TRITON_WARPS", "8"))
+NUM_WARPS = int(os.environ.get("QAT_APP_TRITON_WARPS", "4"))
+# Markstein correction steps in q / scale. One is exact: checked on an H200 against div_rn for every
+# HiF8 value times every float32 scale mantissa, scale exponents -60..59 (0 mismatches; the result
+# only depends on the mantissas while nothing under/overflows). 2 is the conservative choice.
+CORRECTIONS = int(os.environ.get("QAT_APP_TRITON_CORRECTIONS", "1"))
+HIF8_OVERFLOW = 40960.0  # |x| >= this rounds to inf (formats.HIF8_OVERFLOW)
 
 
 def _interpret() -> bool:
@@ -97,38 +109,98 @@ def fake_quantize_triton(
     max_val: float,
     want_codes: bool = False,
     noise: torch.Tensor | None = None,
+    *,
+    check: bool = True,
 ) -> FakeQuantResult:
     """HiF8 delayed-scaling fake quantization in one Triton kernel; same result as ``_fake_quantize``.
 
-    ``scale``: one-element tensor (cast to float32 on x's device, as the reference multiplies in
+    ``scale``: one-element tensor (used as float32 on x's device, as the reference multiplies in
     float32). ``max_val`` is rounded to float32 like torch's clamp/compare with a Python scalar.
     ``noise``: optional int32 random bits of x's shape for stochastic rounding (as hif8_round_f32).
-    Callers should check ``supports("hif8", x, scale, noise)`` first.
+    ``check=False`` skips the ``supports("hif8", x, scale, noise)`` test (the caller made it).
+    The outputs carry no autograd graph (the reference's bit manipulation has none either).
     """
-    if not supports("hif8", x, scale, noise):
+    if check and not supports("hif8", x, scale, noise):
         raise ValueError(
             f"fake_quantize_triton does not handle this input (dtype {x.dtype}, numel {x.numel()}, device {x.device}, "
             f"triton available: {triton_available(x)}); use qat_app.fake_quant.fake_quantize"
         )
+    # Host overhead matters as much as the kernel for small tensors: no more tensor ops than needed.
+    device = x.device
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # triton launches on the current device
+            return fake_quantize_triton(x, scale, max_val, want_codes, noise, check=False)
     xc = x.contiguous()
     n = xc.numel()
-    scale32 = scale.reshape(()).to(device=x.device, dtype=torch.float32)
+    if scale.dtype != torch.float32 or scale.device != device:
+        scale = scale.to(device=device, dtype=torch.float32)
     out = torch.empty_like(xc)
-    codes = torch.empty(xc.shape, dtype=torch.uint8, device=x.device) if want_codes else None
-    noise_c = noise.contiguous() if noise is not None else None
-    acc = torch.zeros(2, dtype=torch.int64, device=x.device)  # [amax bits (int32 in the low word), clipped]
-    amax_bits = acc.view(torch.int32)[:1]
-    clipped = acc[1:]
-    grid = (triton_cdiv(n, BLOCK),)
-    _kernel(_interpret())[grid](
-        xc, out, codes if codes is not None else out, noise_c if noise_c is not None else xc,
-        scale32, amax_bits, clipped,
-        n, _as_f32(float(max_val)),
+    codes = torch.empty(xc.shape, dtype=torch.uint8, device=device) if want_codes else None
+    acc = torch.zeros(2, dtype=torch.int64, device=device)  # the one memset: [amax bits, clipped count]
+    table = _TABLES.get(device)
+    if table is None:
+        table = _table(device)
+    max_val32 = _as_f32(max_val)
+    interpret = _interpret()
+    _kernel(interpret)[(triton_cdiv(n, BLOCK),)](
+        xc, out, codes, None if noise is None else noise.contiguous(), scale, table, acc,
+        n, max_val32,
         BLOCK=BLOCK, WANT_CODES=want_codes, HAS_NOISE=noise is not None, INT64=n + BLOCK >= 2**31,
+        OVERFLOW=not max_val32 < HIF8_OVERFLOW, CORRECTIONS=CORRECTIONS, INTERPRET=interpret,
         num_warps=NUM_WARPS,
     )
-    amax = acc.view(torch.int32)[0].view(torch.float32)
-    return FakeQuantResult(out.view(x.shape), amax, acc[1], codes)
+    # amax: the float32 in the low word of acc[0]; clipped: acc[1] (both 0-d views of acc)
+    return FakeQuantResult(out, acc.view(torch.float32)[0], acc[1], codes)
+
+
+def _round_table_rows() -> list[int]:
+    """(half, mask) per float32 sign+exponent row so that HiF8 rounding is ``(bits + half) & mask``.
+
+    The same rule as ``formats.hif8_round_f32`` without noise: within a binade the quantum is fixed
+    (3, 2, 1 or 0 mantissa bits), so adding half a quantum and clearing the bits below it rounds to
+    nearest with ties away from zero. Special rows: below 2^-23 -> +0 (mask 0, also drops the sign:
+    one zero); [2^-23, 2^-22) -> 2^-22 (adding 2^23 bumps the exponent, the mask clears the mantissa);
+    inf/NaN kept as they are. Rows >= 2^16 round to inf, which no mask can produce: the kernel selects
+    inf for |x| >= 40960 when max_val allows such values (``OVERFLOW``); below 2^15 * 1.25 the table
+    alone is exact. Packed as int64: half in the low word, mask in the high word.
+    """
+    rows = []
+    for row in range(512):
+        field = row & 0xFF
+        exp = field - 127
+        if field == 0xFF:  # inf, NaN
+            half, mask = 0, -1
+        elif exp < -23:
+            half, mask = 0, 0
+        elif exp == -23:
+            half, mask = 1 << 23, -(1 << 23)
+        else:
+            mbits = 0 if exp < -15 else 3 - (abs(exp) > 3) - (abs(exp) > 7)
+            shift = 23 - mbits
+            half, mask = 1 << (shift - 1), -(1 << shift)
+        packed = (half & 0xFFFFFFFF) | ((mask & 0xFFFFFFFF) << 32)
+        rows.append(packed - (1 << 64) if packed >= 1 << 63 else packed)
+    return rows
+
+
+def _code_table() -> torch.Tensor:
+    """uint8 HiF8 code of every on-grid float32 by its top 12 bits (sign, exponent, 3 mantissa bits)."""
+    from .formats import hif8_encode
+
+    values = (torch.arange(4096, dtype=torch.int64) << 20).to(torch.int32).view(torch.float32)
+    return hif8_encode(values)
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    """The kernel's int64[1024] table on ``device``: 512 rounding rows, then the 4096 uint8 codes
+    (one tensor argument instead of two); built and copied once per device."""
+    if device not in _TABLES:
+        round_tab = torch.tensor(_round_table_rows(), dtype=torch.int64)
+        _TABLES[device] = torch.cat([round_tab, _code_table().view(torch.int64)]).to(device)
+    return _TABLES[device]
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -136,6 +208,6 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _as_f32(value: float) -> float:
+def _as_f32(value) -> float:
     """The float32 value torch's clamp/compare use for a Python scalar bound (inf if out of range)."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    return float(torch.tensor(float(value), dtype=torch.float32))

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from qat_app.config import QuantConfig
+from qat_app.errors import CheckpointError
 from qat_app.export import (
     LAYOUT_FILE,
     WEIGHTS_FILE,
@@ -88,6 +89,15 @@ def test_reload_exact_without_history_and_in_float32(tmp_path):
     loaded = load_hif8(tmp_path / "exp")
     assert next(loaded.parameters()).dtype == torch.float32
     assert torch.equal(logits(loaded, batch()), logits(model, batch()))
+    # a dtype round trip (what a device move does too) keeps the loaded weights in use;
+    # an in-place change of a weight drops back to re-quantizing it
+    layers = [m for _, m in quantized_linears(loaded)]
+    loaded.to(torch.float64).to(torch.float32)
+    assert all(m.uses_exported_weight for m in layers)
+    assert torch.equal(logits(loaded, batch()), logits(model, batch()))
+    with torch.no_grad():
+        layers[0].weight.mul_(1.0)
+    assert not layers[0].uses_exported_weight and layers[1].uses_exported_weight
 
 
 def test_float32_model_with_bf16_storage_is_flagged_lossy(tmp_path):
@@ -245,13 +255,13 @@ def test_truncated_and_mismatched_files(tmp_path):
 def test_checkpoint_errors(tmp_path, capsys):
     not_ckpt = tmp_path / "x.ckpt"
     torch.save({"state_dict": {"layer.weight": torch.zeros(2)}, "hyper_parameters": {"lr": 1.0}}, not_ckpt)
-    with pytest.raises(ExportError, match="x.ckpt is not a QATModule checkpoint"):
+    with pytest.raises(CheckpointError, match="x.ckpt is not a QATModule checkpoint"):
         load_qat_checkpoint(not_ckpt)
     garbage = tmp_path / "g.ckpt"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(ExportError, match="g.ckpt"):
+    with pytest.raises(CheckpointError, match="g.ckpt"):
         load_qat_checkpoint(garbage)
-    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+    with pytest.raises(CheckpointError, match="missing.ckpt"):
         load_qat_checkpoint(tmp_path / "missing.ckpt")
     assert export_main(["--ckpt", str(not_ckpt), "--out", str(tmp_path / "o")]) == 2
     assert "not a QATModule checkpoint" in capsys.readouterr().err

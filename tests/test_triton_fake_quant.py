@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton) -- the Triton kernel is untested")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton) -- the Triton kernel is untested")
+import triton.language as tl  # noqa: E402
 
 from qat_app import fake_quant  # noqa: E402
 from qat_app.fake_quant import _fake_quantize  # noqa: E402
@@ -191,6 +192,26 @@ def test_shapes_and_non_contiguous_input(device):
     torch.testing.assert_close(ours.codes, ref.codes, rtol=0, atol=0)
 
 
+def test_round_table_matches_hif8_round_f32():
+    """(bits + half) & mask with the kernel's table rows == formats.hif8_round_f32, on every sign and
+    exponent row: all rounding boundaries of the finest quantum (+-1 ulp) plus random mantissas."""
+    from qat_app.formats import hif8_round_f32
+
+    gen = torch.Generator().manual_seed(5)
+    boundaries = (torch.arange(17) << 19).repeat_interleave(3) + torch.tensor([-1, 0, 1]).repeat(17)
+    mantissas = torch.cat([boundaries.clamp(0, (1 << 23) - 1), torch.randint(0, 1 << 23, (1000,), generator=gen)])
+    rows = torch.arange(512, dtype=torch.int64)
+    bits = ((rows[:, None] << 23) | mantissas[None, :]).flatten().to(torch.int32)
+    x = bits.view(torch.float32)
+    table = torch.tensor(tfq._round_table_rows(), dtype=torch.int64)
+    row = table[(bits.to(torch.int64) & 0xFFFFFFFF) >> 23]
+    ours = (bits + row.to(torch.int32)) & (row >> 32).to(torch.int32)
+    overflow = x.abs() >= 40960  # the kernel's OVERFLOW select
+    ours = torch.where(overflow, torch.where(x < 0, -1, 1) * torch.tensor(float("inf")), ours.view(torch.float32))
+    ref = hif8_round_f32(x)
+    assert_same_bits(ours, ref)
+
+
 def test_supports_and_availability(device):
     x = torch.randn(10, device=device)
     assert triton_available(x)
@@ -228,3 +249,34 @@ def test_fake_quantize_uses_triton_only_for_cuda_hif8(monkeypatch):
         monkeypatch.delenv("QAT_APP_NO_TRITON")
         ours = fake_quant.fake_quantize(xc, sc, 15.0, want_codes=True, fused="on")
         assert_same_result(ours, _fake_quantize(xc, sc, 15.0, "hif8", True, None))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter has no fused multiply-add")
+def test_markstein_division_is_exact_for_every_hif8_value_and_scale_mantissa(monkeypatch):
+    """The kernel's q / scale: r = div_rn(1, s); y = q * r; y += r * (q - y * s) (FMAs). Exhaustive
+    over the 252 finite nonzero HiF8 values x all 2^23 float32 mantissas of s, at three scale binades
+    (the result only depends on the mantissas while nothing under/overflows, which the kernel's
+    2^-60..2^60 guard ensures). ~1 s on an H200."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # decorated below: compiled, not interpreted
+
+    @triton.jit
+    def _count_mismatches(q_ptr, nq, bad_ptr, sexp, CORRECTIONS: tl.constexpr, BLOCK: tl.constexpr):
+        m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        s = ((sexp << 23) | m).to(tl.float32, bitcast=True)
+        r = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s)
+        bad = tl.zeros([BLOCK], tl.int32)
+        for i in range(nq):
+            q = tl.load(q_ptr + i)
+            ref = tl.math.div_rn(q + tl.zeros([BLOCK], tl.float32), s)
+            y = q * r
+            y = tl.fma(tl.fma(-y, s, q), r, y)
+            if CORRECTIONS == 2:
+                y = tl.fma(tl.fma(-y, s, q), r, y)
+            bad += (y.to(tl.int32, bitcast=True) != ref.to(tl.int32, bitcast=True)).to(tl.int32)
+        tl.atomic_add(bad_ptr, tl.sum(bad, 0))
+
+    q = HIF8_TABLE[torch.isfinite(HIF8_TABLE) & (HIF8_TABLE != 0)].cuda()
+    for sexp in (127 - 60, 127, 127 + 59):
+        bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+        _count_mismatches[((1 << 23) // 1024,)](q, q.numel(), bad, sexp, CORRECTIONS=tfq.CORRECTIONS, BLOCK=1024)
+        assert bad.item() == 0, f"{bad.item()} inexact quotients for scales in [2^{sexp - 127}, 2^{sexp - 126})"

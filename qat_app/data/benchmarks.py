@@ -362,10 +362,10 @@ def _task_spec(task: str) -> _TaskSpec:
 
 def select_doc_indices(num_docs: int, limit: int | None, seed: int) -> list[int]:
     """``limit`` docs drawn without replacement with a fixed seed, in doc order (all docs if no limit)."""
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit must be positive, got {limit}")
     if limit is None or limit >= num_docs:
         return list(range(num_docs))
-    if limit <= 0:
-        raise ValueError(f"limit must be positive, got {limit}")
     return sorted(random.Random(seed).sample(range(num_docs), limit))
 
 
@@ -781,6 +781,8 @@ class BenchmarkDataModule(lightning.LightningDataModule):
             raise ValueError(f"source must be 'auto', 'hub' or 'local', got {source!r}")
         if batch_size <= 0 or max_length <= 1:
             raise ValueError(f"batch_size ({batch_size}) and max_length ({max_length}) must be positive")
+        if limit is not None and limit <= 0:
+            raise ValueError(f"limit must be positive or None, got {limit}")
         self.tasks = list(tasks)
         self.num_fewshot = self._fewshot_per_task(num_fewshot)
         self.mmlu_subjects = validate_mmlu_subjects(mmlu_subjects)

@@ -22,9 +22,10 @@ Every document is tokenised with the model's tokenizer (``add_special_tokens=Fal
 EOS token; the token stream is cut into blocks of exactly ``seq_len`` tokens (no padding, the remainder
 is carried over to the next document; at the very end of a finite stream it is dropped). A batch is
 ``{"input_ids": LongTensor[B, seq_len], "labels": copy of input_ids}`` (the model shifts the labels).
-Documents that tokenise to nothing are skipped. An optional block-level shuffle buffer
-(``shuffle_buffer`` blocks, per consumer) mixes documents; shard order is permuted per data epoch when
-``shuffle`` is on (seeded by ``seed``).
+Documents that are empty or tokenise to nothing are skipped, with a warning naming the file and the
+first such document (once per shard); a file that yields no text at all is a :class:`DataError`. An
+optional block-level shuffle buffer (``shuffle_buffer`` blocks, per consumer) mixes documents; shard
+order is permuted per data epoch when ``shuffle`` is on (seeded by ``seed``).
 
 Sharding (no two consumers see the same document)
 --------------------------------------------------
@@ -67,6 +68,11 @@ epoch when exhausted, so every rank always has data and DDP never hangs). Known 
 #20550): reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` makes Lightning skip
 restoring dataloader state; compute the schedule length from ``trainer.max_steps`` instead.
 
+Lightning writes the checkpoint from rank 0 only; :class:`RankedStatefulDataLoader` therefore gathers
+the positions of all data-parallel ranks into the saved state and gives each rank its own back on resume.
+Creating a loader iterator draws from a private generator, never from the global torch RNG (which the
+checkpoint carries through :class:`callbacks.rng.RNGStateCallback`).
+
 A resume is exact only with the same data settings, world size and ``num_workers`` (checked).
 """
 
@@ -88,8 +94,12 @@ from typing import Any, Iterator
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from qat_app.data.benchmarks import BenchmarkDataModule
+from qat_app.errors import CheckpointError, ConfigError, QATError
 from qat_app.models import EMBEDDED_MODEL, cache_root, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,7 +112,7 @@ _GLOB_CHARS = set("*?[")
 _SHARDS_PER_CONSUMER = 16
 
 
-class DataError(ValueError):
+class DataError(QATError, ValueError):
     """A problem with the training data (names the file / dataset it concerns)."""
 
 
@@ -119,10 +129,10 @@ def derive_accumulate_grad_batches(global_batch_size: int, micro_batch_size: int
         ("devices (world size)", world_size),
     ):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
     per_step = micro_batch_size * world_size
     if global_batch_size % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"data.global_batch_size={global_batch_size} is not divisible by data.micro_batch_size={micro_batch_size}"
             f" x devices={world_size} (= {per_step} sequences per micro-step); choose a global batch size that is a"
             f" multiple of {per_step}, or change data.micro_batch_size / the number of devices"
@@ -431,18 +441,21 @@ def _shard_level(num_shards: int, num_consumers: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------ packing
-def _encode(tokenizer, texts: list[str], sep_id: int) -> list[np.ndarray]:
-    """Token ids (+separator) of each non-empty document; documents that tokenise to nothing are dropped."""
+def _encode(tokenizer, texts: list[str], sep_id: int, dropped: list[int] | None = None) -> list[np.ndarray]:
+    """Token ids (+separator) of each non-empty document; documents that tokenise to nothing are dropped
+    (their positions in ``texts`` are appended to ``dropped`` when given)."""
     if not texts:
         return []
     ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     out = []
-    for x in ids:
+    for pos, x in enumerate(ids):
         if len(x):
             a = np.empty(len(x) + 1, dtype=np.int32)
             a[:-1] = x
             a[-1] = sep_id
             out.append(a)
+        elif dropped is not None:
+            dropped.append(pos)
     return out
 
 
@@ -586,7 +599,7 @@ class PackedBlockStream(IterableDataset):
         if not state_dict:
             return
         if state_dict.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported data state version {state_dict.get('version')!r}")
+            raise CheckpointError(f"unsupported data state version {state_dict.get('version')!r}")
         self._pending = self._import(state_dict)
         self._live = None
 
@@ -596,7 +609,7 @@ class PackedBlockStream(IterableDataset):
         state = self._pending if self._pending is not None else self._fresh_state(c, n)
         self._pending = None
         if (state["consumer"], state["num_consumers"]) != (c, n):
-            raise ValueError(
+            raise CheckpointError(
                 f"data state was saved by consumer {state['consumer']} of {state['num_consumers']} "
                 f"(rank x dataloader worker) but is being restored into consumer {c} of {n}: exact resume needs "
                 "the same number of devices and data.num_workers"
@@ -604,7 +617,7 @@ class PackedBlockStream(IterableDataset):
         if state.get("config") != self.fingerprint:
             saved, now = json.loads(state.get("config") or "{}"), json.loads(self.fingerprint)
             diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
-            raise ValueError(
+            raise CheckpointError(
                 "the saved data position belongs to different data settings, so it cannot be resumed exactly; "
                 f"changed (saved, now): {diff}"
             )
@@ -631,8 +644,9 @@ class PackedBlockStream(IterableDataset):
                 skip = self.layout.skip.get(i, 0)
                 stop = self.layout.stop.get(i)
                 stopped = False
+                reported = False  # one warning per shard about documents that tokenise to nothing
                 for texts, hf_state in self.source.iter_texts(i, self.doc_batch_size, st["hf_state"]):
-                    keep = []
+                    keep, keep_idx, empty = [], [], []
                     for t in texts:
                         j = st["in_shard"]
                         if stop is not None and j >= stop:
@@ -650,7 +664,19 @@ class PackedBlockStream(IterableDataset):
                                 continue
                         if t and not t.isspace():
                             keep.append(t)
-                    parts = _encode(self.tokenizer, keep, self.sep_id)
+                            keep_idx.append(j)
+                        else:
+                            empty.append(j)
+                    dropped: list[int] = []
+                    parts = _encode(self.tokenizer, keep, self.sep_id, dropped)
+                    if (empty or dropped) and not reported:
+                        reported = True
+                        first = min(empty + [keep_idx[d] for d in dropped])
+                        log.warning(
+                            "%s of %s: document %d (0-based) is empty or tokenises to nothing; skipped (further "
+                            "such documents of this shard are skipped without a warning)",
+                            self.source.describe(i), self.source.name, first,
+                        )
                     if parts:
                         st["tokens"] = np.concatenate([st["tokens"], *parts])
                         st["epoch_tokens"] += sum(len(p) for p in parts)
@@ -707,6 +733,41 @@ class PackedBlockStream(IterableDataset):
         return out
 
 
+class RankedStatefulDataLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` whose state holds the data position of *every* data-parallel rank.
+
+    Lightning writes checkpoints from rank 0 only, so a plain loader state would carry rank 0's position
+    alone and every rank would resume from it. Under an initialised process group of more than one rank,
+    ``state_dict()`` gathers the states of all ranks (one ``all_gather_object``; Lightning dumps
+    checkpoints on every rank, as this requires) and ``load_state_dict()`` restores this rank's entry,
+    refusing a checkpoint written by another number of ranks. On one process the state is the plain
+    ``StatefulDataLoader`` state.
+    """
+
+    def __init__(self, *args, rank: int = 0, world_size: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dp_rank, self.dp_world_size = rank, world_size
+
+    def state_dict(self) -> dict:
+        own = super().state_dict()
+        if self.dp_world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return own
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, own)
+        return {"data_parallel_states": states, "world_size": len(states)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict and "data_parallel_states" in state_dict:
+            saved = state_dict["world_size"]
+            if saved != self.dp_world_size:
+                raise CheckpointError(
+                    f"the checkpoint holds the data position of {saved} data-parallel rank(s) but this run has "
+                    f"{self.dp_world_size}: exact resume needs the same number of devices and nodes"
+                )
+            state_dict = state_dict["data_parallel_states"][self.dp_rank]
+        super().load_state_dict(state_dict)
+
+
 class _ValBlocks(IterableDataset):
     """This rank's share of the held-out validation blocks."""
 
@@ -753,6 +814,8 @@ class PretrainDataModule(L.LightningDataModule):
         reshard: split parquet sources into row-group shards when the files alone do not allow a balanced
             shard-level split over the consumers.
         val_batch_size: validation batch size (default ``micro_batch_size``).
+        benchmarks: a :class:`~qat_app.data.benchmarks.BenchmarkDataModule` whose loaders follow the
+            LM-loss loader in validation (benchmark scores during fit; it gets this module's tokenizer).
         revision: hub dataset revision.
         trust_remote_code: passed to the tokenizer loading.
     """
@@ -782,32 +845,33 @@ class PretrainDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         revision: str | None = None,
         trust_remote_code: bool = False,
+        benchmarks: "BenchmarkDataModule | None" = None,
     ):
         super().__init__()
         if isinstance(tokenizer, str):
-            self.save_hyperparameters()
+            self.save_hyperparameters(ignore=["benchmarks"])
         else:
-            self.save_hyperparameters(ignore=["tokenizer"])
+            self.save_hyperparameters(ignore=["tokenizer", "benchmarks"])
         for name, v, lo in (
             ("seq_len", seq_len, 2),
             ("micro_batch_size", micro_batch_size, 1),
             ("doc_batch_size", doc_batch_size, 1),
         ):
             if not isinstance(v, int) or v < lo:
-                raise ValueError(f"data.{name} must be an integer >= {lo}, got {v!r}")
+                raise ConfigError(f"data.{name} must be an integer >= {lo}, got {v!r}")
         for name, v in (("num_workers", num_workers), ("val_documents", val_documents), ("shuffle_buffer", shuffle_buffer)):
             if not isinstance(v, int) or v < 0:
-                raise ValueError(f"data.{name} must be a non-negative integer, got {v!r}")
+                raise ConfigError(f"data.{name} must be a non-negative integer, got {v!r}")
         if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
-            raise ValueError(f"data.max_documents must be a positive integer or None, got {max_documents!r}")
+            raise ConfigError(f"data.max_documents must be a positive integer or None, got {max_documents!r}")
         if text_sample_by not in ("paragraph", "line", "document"):
-            raise ValueError(f"data.text_sample_by must be paragraph/line/document, got {text_sample_by!r}")
+            raise ConfigError(f"data.text_sample_by must be paragraph/line/document, got {text_sample_by!r}")
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
-            raise ValueError(f"data.global_batch_size must be a positive integer or None, got {global_batch_size!r}")
+            raise ConfigError(f"data.global_batch_size must be a positive integer or None, got {global_batch_size!r}")
         if data_files is None and not dataset:
-            raise ValueError("set data.dataset (a hub dataset or 'embedded:boolq-passages') or data.data_files")
+            raise ConfigError("set data.dataset (a hub dataset or 'embedded:boolq-passages') or data.data_files")
         if dataset and dataset.startswith("embedded:") and dataset != EMBEDDED_BOOLQ and data_files is None:
-            raise ValueError(f"unknown embedded dataset {dataset!r}; known: {EMBEDDED_BOOLQ!r}")
+            raise ConfigError(f"data.dataset: unknown embedded dataset {dataset!r}; known: {EMBEDDED_BOOLQ!r}")
         self.tokenizer_spec = tokenizer
         self.dataset, self.dataset_config, self.split = dataset, dataset_config, split
         self.data_files = data_files
@@ -819,6 +883,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.text_sample_by, self.doc_batch_size, self.reshard = text_sample_by, doc_batch_size, reshard
         self.val_batch_size = val_batch_size or micro_batch_size
         self.revision, self.trust_remote_code = revision, trust_remote_code
+        self.benchmarks = benchmarks  # benchmark validation during fit, after the LM-loss loader
         self._tokenizer = None if isinstance(tokenizer, str) else tokenizer
         self._source: _Source | None = None
         self._layouts: dict[bool, _Layout] = {}
@@ -897,7 +962,7 @@ class PretrainDataModule(L.LightningDataModule):
             if self.global_batch_size is not None:
                 want = self.accumulate_grad_batches(world)
                 if trainer.accumulate_grad_batches != want:
-                    raise ValueError(
+                    raise ConfigError(
                         f"data.global_batch_size={self.global_batch_size} with data.micro_batch_size="
                         f"{self.micro_batch_size} on {world} device(s) needs trainer.accumulate_grad_batches={want}, "
                         f"but the trainer has {trainer.accumulate_grad_batches}"
@@ -913,10 +978,20 @@ class PretrainDataModule(L.LightningDataModule):
         return self.make_train_dataloader(rank, world, batches_per_epoch=batches)
 
     def val_dataloader(self):
-        if self.val_documents == 0:
-            return []
-        rank, world = self._dp()
-        return self.make_val_dataloader(rank, world)
+        loaders = []
+        if self.val_documents > 0:
+            rank, world = self._dp()
+            loaders.append(self.make_val_dataloader(rank, world))
+        if self.benchmarks is not None:
+            self.benchmarks.set_tokenizer(self.tokenizer)
+            if self.trainer is not None:
+                self.benchmarks.trainer = self.trainer
+            loaders.extend(self.benchmarks.val_dataloader())
+        return loaders
+
+    @property
+    def task_names(self) -> list[str]:
+        return list(self.benchmarks.task_names) if self.benchmarks is not None else []
 
     # -- loaders (public for tests / manual use: rank and world size given explicitly) --
     def make_train_dataset(self, rank: int, world_size: int, *, batches_per_epoch: int | None = None):
@@ -932,20 +1007,23 @@ class PretrainDataModule(L.LightningDataModule):
         )
 
     def make_train_dataloader(self, rank: int, world_size: int, *, batches_per_epoch: int | None = None):
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
         ds = self.make_train_dataset(rank, world_size, batches_per_epoch=batches_per_epoch)
         if self.num_workers > 0:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital
             warnings.filterwarnings("ignore", message=".*set_vital.*")
-            return StatefulDataLoader(
+            return RankedStatefulDataLoader(
                 ds,
+                rank=rank,
+                world_size=world_size,
                 batch_size=self.micro_batch_size,
                 num_workers=self.num_workers,
                 collate_fn=collate_blocks,
                 pin_memory=torch.cuda.is_available(),
                 drop_last=False,
+                # a private generator: creating the iterator must not draw from the global torch RNG,
+                # or a resumed run (which creates it at another point of the RNG stream) would diverge
+                generator=torch.Generator().manual_seed(self.seed),
             )
 
     def val_blocks(self, rank: int, world_size: int) -> torch.Tensor:
@@ -970,6 +1048,7 @@ class PretrainDataModule(L.LightningDataModule):
             batch_size=self.val_batch_size,
             num_workers=0,
             collate_fn=collate_blocks,
+            generator=torch.Generator().manual_seed(self.seed),  # leaves the global torch RNG alone
         )
 
 
@@ -978,6 +1057,7 @@ __all__ = [
     "EMBEDDED_BOOLQ",
     "PackedBlockStream",
     "PretrainDataModule",
+    "RankedStatefulDataLoader",
     "boolq_passages_path",
     "collate_blocks",
     "derive_accumulate_grad_batches",

@@ -1,0 +1,177 @@
+"""Training-step cost of HiF8 W8A8 QAT against the matched BF16 baseline, same process, same data.
+
+Times optimizer steps of the exp8 QAT recipe *after the warmup* (max-window DTS, histories full,
+weights and activations quantized, 8-bit saved inputs) against the unquantized model, alternating
+the two step by step so machine drift hits both alike, and prints the median step-time ratio.
+Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the peak RSS (VmHWM) of a fresh
+child process per variant (a process's high-water mark cannot be reset, so each variant gets its
+own), running the same steps. Targets: time ratio <= 1.15 on a CPU (quickstart model), <= 1.10 on
+a GPU (OpenPangu-shaped model); memory ratio <= 1.0.
+
+    python benchmarks/step_overhead.py                       # CPU, SmolLM2-135M, fp32
+    python benchmarks/step_overhead.py --openpangu --device cuda --seq-len 1024 --micro-batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from qat_app.config import QuantConfig  # noqa: E402
+from qat_app.patch import quantize_model, set_quantization  # noqa: E402
+from qat_app.scaling import advance_all, all_scalers  # noqa: E402
+
+
+def build_model(args) -> torch.nn.Module:
+    if args.openpangu:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=1536, intermediate_size=6144, num_hidden_layers=26, num_attention_heads=12,
+                             num_key_value_heads=12, vocab_size=args.vocab, max_position_embeddings=4096)
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = LlamaForCausalLM(config)
+    else:
+        from qat_app.models import load_causal_lm
+
+        model, _ = load_causal_lm(args.model)
+        model.to(args.device)
+    model.config.use_cache = False
+    return model.train()
+
+
+def make_batches(args, vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=gen).to(args.device)
+            for _ in range(args.accumulate)]
+
+
+class Variant:
+    def __init__(self, model: torch.nn.Module, batches, args, quantized: bool) -> None:
+        self.model, self.batches, self.args = model, batches, args
+        self.scalers = []
+        if quantized:
+            quant = QuantConfig(amax_algo="max", history_len=64, high_precision_layers=args.high_precision_layers,
+                                fused=args.fused)
+            self.report = quantize_model(model, quant)
+            self.scalers = all_scalers(model)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+        if quantized:  # the end of the BF16 warmup: observe one step, seed the windows, switch on
+            set_quantization(model, weights=False, activations=False)
+            self.step()
+            for s in self.scalers:
+                s.seed_history()
+            set_quantization(model, weights=True, activations=True)
+
+    def step(self) -> None:
+        autocast = torch.autocast(self.args.device, dtype=torch.bfloat16, enabled=self.args.bf16)
+        for ids in self.batches:
+            with autocast:
+                loss = self.model(input_ids=ids, labels=ids).loss / len(self.batches)
+            loss.backward()
+        advance_all(self.scalers)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def timed_step(self) -> float:
+        if self.args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.step()
+        if self.args.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def peak_rss_child(args, variant: str) -> int:
+    """Run `--child VARIANT` in a fresh interpreter and return its peak RSS in bytes."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant] + [
+        a for a in sys.argv[1:] if a != "--child"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_rss"]
+
+
+def child(args) -> None:
+    model = build_model(args)
+    batches = make_batches(args, model.config.vocab_size)
+    v = Variant(model, batches, args, quantized=args.child == "qat")
+    for _ in range(args.mem_steps):
+        v.step()
+    with open("/proc/self/status") as f:
+        hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    print(json.dumps({"peak_rss": hwm_kb * 1024}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="embedded:smollm2-135m-instruct")
+    p.add_argument("--openpangu", action="store_true", help="random OpenPangu-Embedded-1B-shaped Llama")
+    p.add_argument("--vocab", type=int, default=153376)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
+    p.add_argument("--mem-steps", type=int, default=2)
+    p.add_argument("--high-precision-layers", type=int, default=5)
+    p.add_argument("--fused", default="auto")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (default on cuda)")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.bf16 = args.bf16 or args.device == "cuda"
+    torch.set_num_threads(os.cpu_count() if args.device == "cuda" else torch.get_num_threads())
+    if args.child:
+        return child(args)
+
+    base_model = build_model(args)
+    qat_model = copy.deepcopy(base_model)
+    batches = make_batches(args, base_model.config.vocab_size)
+    base = Variant(base_model, batches, args, quantized=False)
+    qat = Variant(qat_model, batches, args, quantized=True)
+    print(f"device={args.device} model={'openpangu-shaped' if args.openpangu else args.model} "
+          f"tokens/step={args.micro_batch}x{args.seq_len}x{args.accumulate} bf16={args.bf16} fused={args.fused}")
+    print(qat.report.summary())
+    base.timed_step(), qat.timed_step()  # warm-up: compilation, allocator
+    times = {"bf16": [], "qat": []}
+    for _ in range(args.steps):
+        times["bf16"].append(base.timed_step())
+        times["qat"].append(qat.timed_step())
+    t_base, t_qat = statistics.median(times["bf16"]), statistics.median(times["qat"])
+    print(f"step time: baseline {t_base:.3f}s  QAT {t_qat:.3f}s  ratio {t_qat / t_base:.3f}")
+    if args.device == "cuda":
+        for name, v in (("bf16", base), ("qat", qat)):
+            del v
+        del base, qat, base_model, qat_model
+        peaks = {}
+        for name in ("bf16", "qat"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            model = build_model(args)
+            v = Variant(model, batches, args, quantized=name == "qat")
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(args.mem_steps):
+                v.step()
+            peaks[name] = torch.cuda.max_memory_allocated()
+            del v, model
+        print(f"peak memory (max_memory_allocated): baseline {peaks['bf16'] / 2**30:.2f} GiB  "
+              f"QAT {peaks['qat'] / 2**30:.2f} GiB  ratio {peaks['qat'] / peaks['bf16']:.3f}")
+    elif not args.no_memory:
+        peaks = {name: peak_rss_child(args, name) for name in ("bf16", "qat")}
+        print(f"peak RSS: baseline {peaks['bf16'] / 2**30:.2f} GiB  QAT {peaks['qat'] / 2**30:.2f} GiB  "
+              f"ratio {peaks['qat'] / peaks['bf16']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

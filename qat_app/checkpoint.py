@@ -1,0 +1,202 @@
+"""Checking a checkpoint before a run resumes from it.
+
+``python main.py fit --ckpt_path PATH|last`` resolves and checks the checkpoint *before* the trainer starts
+(:class:`main.QATCLI`), so a truncated or foreign file is refused with a message naming it while nothing
+of the run directory has been touched yet (no config.yaml, log or checkpoint is written or overwritten).
+Two stages: right after parsing, an explicit PATH is checked on its own (:func:`check_checkpoint_file`,
+before LightningCLI reads the model settings out of it -- Lightning 2.6 builds the model from a checkpoint
+file's hyperparameters); after instantiation (``before_fit``) ``last`` is resolved and the file is checked
+against the model (:func:`validate_resume_checkpoint`).
+
+A checkpoint is accepted when it
+  * loads with ``torch.load`` (same ``weights_only`` setting Lightning will use; a truncated file fails here),
+  * is a Lightning checkpoint with the full training state (``optimizer_states``, ``loops``, ...; a
+    ``save_weights_only`` checkpoint cannot resume a run),
+  * holds exactly the state of this model: the same parameter and buffer names and shapes (every
+    HiF8Linear with its amax histories of the configured length, the same quantized layers).
+Hyperparameters that differ without changing the state (``lr``, ``quant.amax_algo``, ...) are reported
+as a warning: the run continues with the new values, so it is no longer the same run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+_RESUME_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "global_step")
+_MAX_LISTED = 6
+
+
+def find_last_checkpoint(trainer) -> str | None:
+    """What Lightning's ``ckpt_path="last"`` resolves to: the newest ``last*.ckpt`` of the trainer's
+    ModelCheckpoint callbacks (None when there is none)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    candidates: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            candidates |= callback._find_last_checkpoints(trainer)
+    existing = [p for p in candidates if os.path.exists(p)]
+    return max(existing, key=os.path.getmtime) if existing else None
+
+
+def checkpoint_dirs(trainer) -> list[str]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
+
+
+def load_checkpoint_file(path: str, weights_only: bool | None = None) -> dict[str, Any] | None:
+    """``torch.load`` (memory-mapped, on CPU) with a :class:`CheckpointError` naming the file on failure.
+
+    A directory (a sharded checkpoint, e.g. FSDP ``state_dict_type="sharded"``) is left to the strategy to
+    load and check: returns None."""
+    if os.path.isdir(path):
+        log.info("checkpoint %s is a directory (sharded): its contents are checked by the strategy on load", path)
+        return None
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (--ckpt_path)")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was truncated while being written")
+    try:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            ckpt = torch.load(path, map_location="cpu", weights_only=weights_only)  # legacy (non-zip) format
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {first}); it is truncated (e.g. the job died "
+            "while writing it), corrupt or not a PyTorch file. Resume from an earlier checkpoint."
+        ) from e
+    return ckpt
+
+
+def _looks_like_qat_checkpoint(ckpt: dict, module_class) -> tuple[bool, str]:
+    from .module import CHECKPOINT_KEY
+
+    if CHECKPOINT_KEY in ckpt:
+        return True, ""
+    hparams = ckpt.get("hyper_parameters")
+    if module_class is None or not isinstance(hparams, dict) or not hparams:
+        return True, ""  # nothing to go by here; the state check against the model decides
+    import inspect
+
+    allowed = set(inspect.signature(module_class.__init__).parameters) - {"self"}
+    foreign = sorted(k for k in hparams if k not in allowed and not k.startswith("_"))
+    if foreign:
+        return False, f"hyperparameters {_listed(foreign)} are not {module_class.__name__}'s"
+    return True, ""
+
+
+def check_checkpoint_file(
+    path: str, weights_only: bool | None = None, need_training_state: bool = True, module_class=None
+) -> dict[str, Any] | None:
+    """Check a checkpoint file on its own (no model needed): readable, a Lightning checkpoint, with the
+    training state when ``need_training_state``, written by ``module_class`` (when given). Returns it
+    (None for a sharded checkpoint directory)."""
+    ckpt = load_checkpoint_file(path, weights_only)
+    if ckpt is None:
+        return None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "pytorch-lightning_version" not in ckpt:
+        keys = sorted(map(str, ckpt))[:10] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(
+            f"checkpoint {path} is not a Lightning training checkpoint (it holds {keys}); a plain model state_dict "
+            "or a file of another program cannot resume a run"
+        )
+    absent = [k for k in _RESUME_KEYS if k not in ckpt]
+    if absent and need_training_state:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {', '.join(absent)} (saved with save_weights_only=True?); it holds weights only "
+            "and cannot resume a run exactly"
+        )
+    ours, why = _looks_like_qat_checkpoint(ckpt, module_class)
+    if not ours:
+        raise CheckpointError(f"checkpoint {path} was not written by this application's {module_class.__name__}: {why}")
+    return ckpt
+
+
+def validate_resume_checkpoint(
+    path: str, module: torch.nn.Module, weights_only: bool | None = None, need_training_state: bool = True
+) -> dict[str, Any]:
+    """Raise :class:`CheckpointError` unless ``path`` is a checkpoint of ``module`` (with the complete training
+    state when ``need_training_state``, i.e. for resuming a fit).
+
+    Returns a short summary (``global_step``, differing hyperparameters)."""
+    ckpt = check_checkpoint_file(path, weights_only, need_training_state, type(module))
+    if ckpt is None:
+        return {"global_step": None, "differences": []}
+    name = ckpt.get("hyper_parameters", {}).get("model_name") if isinstance(ckpt.get("hyper_parameters"), dict) else None
+    expected = module.state_dict()
+    saved = ckpt["state_dict"]
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    mismatched = [
+        f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} now"
+        for k, v in expected.items()
+        if k in saved and isinstance(v, torch.Tensor) and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
+    ]
+    diffs = hparam_differences(ckpt.get("hyper_parameters"), getattr(module, "hparams", None))
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing: {_listed(missing)}")
+        if unexpected:
+            parts.append(f"unexpected: {_listed(unexpected)}")
+        if mismatched:
+            parts.append(f"other shape: {_listed(mismatched)}")
+        hint = f"; settings that differ (checkpoint -> now): {_listed(diffs)}" if diffs else ""
+        raise CheckpointError(
+            f"checkpoint {path} does not belong to this model"
+            + (f" (it was written for model_name={name!r})" if name else "")
+            + f": {'; '.join(parts)}{hint}"
+        )
+    if diffs:
+        log.warning("resuming from %s with changed settings (checkpoint -> now): %s", path, _listed(diffs))
+    return {"global_step": ckpt.get("global_step"), "differences": diffs}
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    elif hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        value = asdict(value)
+    if isinstance(value, dict) or (hasattr(value, "items") and not isinstance(value, (str, bytes))):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+
+
+def hparam_differences(saved: Any, now: Any) -> list[str]:
+    """``["quant.history_len: 5 -> 8", ...]`` for the model hyperparameters that differ."""
+    if not saved or now is None:
+        return []
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    _flatten("", dict(saved), a)
+    _flatten("", dict(now), b)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
+            va, vb = list(va), list(vb)
+        if va != vb:
+            out.append(f"model.{key}: {va!r} -> {vb!r}")
+    return out

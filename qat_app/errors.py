@@ -1,0 +1,23 @@
+"""Error types for problems the user can fix: a bad setting, bad data, a bad checkpoint, a run that diverged.
+
+``python main.py`` prints such an error as one ``error: ...`` line naming the setting / file (no traceback;
+set ``QAT_APP_TRACEBACK=1`` to get one) and exits with status 2 (input) or 1 (run). Every other exception
+is a bug and keeps its traceback. All input errors are also ``ValueError`` subclasses, so code catching
+``ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class QATError(Exception):
+    """Base class: the message says what is wrong and names the setting or file."""
+
+    exit_code = 2
+
+
+class ConfigError(QATError, ValueError):
+    """A setting is invalid; the message names the field (``model.lr``, ``data.global_batch_size``, ...)."""
+
+
+class CheckpointError(QATError, ValueError):
+    """A checkpoint cannot be resumed from (unreadable, truncated, not a QATModule checkpoint, other model)."""
