@@ -71,7 +71,8 @@ def _fake_quantize_current(
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=None)
+    # dynamic: one kernel serves every layer's shape (inputs are flattened to 1-D, see _dispatch)
+    return torch.compile(fn, dynamic=True)
 
 
 _COMPILE_BROKEN = False
@@ -85,11 +86,23 @@ def _use_compiled(mode: str) -> bool:
     return True
 
 
+def _restore_shape(out, shape: torch.Size):
+    if isinstance(out, FakeQuantResult):
+        codes = out.codes.view(shape) if out.codes is not None else None
+        return out._replace(dequantized=out.dequantized.view(shape), codes=codes)
+    if isinstance(out, tuple):  # (FakeQuantResult, scale) from current scaling
+        return (_restore_shape(out[0], shape), *out[1:])
+    return out.view(shape)
+
+
 def _dispatch(fn: Callable, mode: str, *args):
     global _COMPILE_BROKEN
     if _use_compiled(mode):
         try:
-            return _compiled(fn)(*args)
+            # Elementwise work: flatten so every shape and rank shares one compiled kernel.
+            shape = args[0].shape
+            flat = [a.reshape(-1) if isinstance(a, torch.Tensor) and a.shape == shape else a for a in args]
+            return _restore_shape(_compiled(fn)(*flat), shape)
         except Exception as err:  # a missing compiler must not stop training: fall back, same numbers
             if mode == "on":
                 raise

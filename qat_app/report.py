@@ -17,7 +17,7 @@ Written to ``--out``:
   results.csv   the same numbers, one row per (QAT run, metric); results.json everything
   loss_curves.png        train/loss of every run overlaid (+ val/loss), and the per-step relative error
   amax_vs_ahat.png       a_hat (the estimate a step was quantized with) vs the true amax, per selected
-                         tensor; red crosses where amax > a_hat (that step saturated)
+                         tensor; red crosses on the steps that clipped (per-tensor sat/.../clipped_frac > 0)
   saturation_heatmap.png clipped fraction per quantized tensor (rows) and logged step (columns)
 
 Definitions:
@@ -480,10 +480,16 @@ def plot_amax(path: Path, qats: list[Run], tensors: list[str]) -> None:
                 ax.plot(list(amax), list(amax.values()), color=color, lw=1.2, label=f"{run.label} amax")
             if a_hat:
                 ax.plot(list(a_hat), list(a_hat.values()), color=color, lw=1.2, ls="--", label=f"{run.label} a_hat")
-            over = [s for s in amax if s in a_hat and a_hat[s] > 0 and amax[s] > a_hat[s]]
+            # steps that clipped: the logged per-tensor clipped fraction when there is one (it is 0 during
+            # the BF16 warmup, when nothing is quantized), else amax > a_hat (|x| > a_hat clips: s = max_val/a_hat)
+            clipped = run.series(f"sat/{tensor}/clipped_frac")
+            if clipped:
+                over = [s for s in amax if clipped.get(s, 0.0) > 0]
+            else:
+                over = [s for s in amax if s in a_hat and a_hat[s] > 0 and amax[s] > a_hat[s]]
             if over:
-                ax.plot(over, [amax[s] for s in over], "x", color="red", ms=5,
-                        label="amax > a_hat (saturated)" if i == 0 else None)
+                ax.plot(over, [amax[s] for s in over], "x", color="red", ms=6,
+                        label="step with clipped elements" if i == 0 else None)
         ax.set_title(tensor, fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("|x| max")

@@ -109,31 +109,39 @@ class _ForwardSupport:
     position_ids: bool
     logits_to_keep: bool
     use_cache: bool
+    cache_argument: str | None  # "cache" (transformers >= 5.2x) or "past_key_values"; None: no KV reuse
 
 
 def _forward_support(model: nn.Module) -> _ForwardSupport:
     parameters = inspect.signature(model.forward).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    # logits_to_keep/use_cache only when named: a **kwargs wrapper may forward them somewhere that rejects them
+    # the rest only when named: a **kwargs wrapper may forward them somewhere that rejects them
+    cache_argument = next((name for name in ("cache", "past_key_values") if name in parameters), None)
     return _ForwardSupport(
         position_ids="position_ids" in parameters or takes_any,
         logits_to_keep="logits_to_keep" in parameters,
         use_cache="use_cache" in parameters,
+        cache_argument=cache_argument if "use_cache" in parameters else None,
     )
 
 
-def packed_attention_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[R, 1, T, T] mask for packed rows: causal, every token sees the shared context (segment 0) and its
-    own segment only. Padding (segment -1) sees only earlier padding, so no softmax row is empty.
+def packed_attention_mask(
+    segment_ids: torch.Tensor, dtype: torch.dtype | None = None, prefix_length: int = 0
+) -> torch.Tensor:
+    """[R, 1, T, P + T] mask for packed rows behind a shared prefix of P tokens: causal, every token sees
+    the prefix and the row's context (segment 0) and its own segment only. Padding (segment -1) sees
+    earlier padding and the prefix, so no softmax row is empty.
     Boolean (True = attend) when ``dtype`` is None, else additive (0 / dtype min)."""
-    length = segment_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    query, key = segment_ids[:, :, None], segment_ids[:, None, :]
-    allowed = causal & ((key == 0) | (key == query))
-    allowed = allowed[:, None]
+    rows, length = segment_ids.shape
+    device = segment_ids.device
+    key_segments = torch.cat([segment_ids.new_zeros(rows, prefix_length), segment_ids], dim=1)
+    query_index = torch.arange(length, device=device)[:, None] + prefix_length
+    causal = torch.arange(length + prefix_length, device=device)[None, :] <= query_index
+    query, key = segment_ids[:, :, None], key_segments[:, None, :]
+    allowed = (causal & ((key == 0) | (key == query)))[:, None]
     if dtype is None:
         return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -144,30 +152,72 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 
 def forward_logits(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
-    """Run the model on a benchmark batch; returns logits and the input position of logits[:, 0]."""
+    """Run the model on a benchmark batch; returns logits and the row position of logits[:, 0]."""
     input_ids = batch["input_ids"]
     support = _forward_support(model)
-    kwargs: dict[str, Any] = {"input_ids": input_ids}
+    kwargs: dict[str, Any] = {}
     if batch["layout"] == "packed":
         attention = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
-        if not support.position_ids or "flash" in attention or "flex" in attention:
+        if "flash" in attention or "flex" in attention:
+            # these kernels take no arbitrary 4-D mask: score with SDPA (same maths), then switch back
+            if not hasattr(model, "set_attn_implementation"):
+                raise ValueError(
+                    f"{type(model).__name__} uses {attention!r} attention, which cannot take the packed 4-D "
+                    "attention mask; build BenchmarkDataModule(pack_choices=False)"
+                )
+            model.set_attn_implementation("sdpa")
+            try:
+                return forward_logits(model, batch)
+            finally:
+                model.set_attn_implementation(attention)
+        if not support.position_ids:
             raise ValueError(
-                f"{type(model).__name__} (attention {attention!r}) cannot take the packed 4-D attention mask; "
+                f"{type(model).__name__}.forward takes no position_ids, so it cannot score packed rows; "
                 "build BenchmarkDataModule(pack_choices=False)"
             )
         # SDPA takes a boolean mask; eager attention adds the mask to its scores
         mask_dtype = None if attention == "sdpa" else _model_dtype(model)
-        kwargs["attention_mask"] = packed_attention_mask(batch["segment_ids"], mask_dtype)
-        kwargs["position_ids"] = batch["position_ids"]
+        segment_ids, position_ids = batch["segment_ids"], batch["position_ids"]
+        prefix = batch.get("prefix_ids")
+        prefix_length = 0 if prefix is None else prefix.numel()
+        prefix_cache = _run_prefix(model, prefix, input_ids.shape[0], support) if prefix_length else None
+        if prefix_length and prefix_cache is None:
+            # no KV-cache reuse possible: put the prefix back in front of every row (same result, no saving)
+            rows = input_ids.shape[0]
+            input_ids = torch.cat([prefix.expand(rows, -1), input_ids], dim=1)
+            segment_ids = torch.cat([segment_ids.new_zeros(rows, prefix_length), segment_ids], dim=1)
+            prefix_positions = torch.arange(prefix_length, device=position_ids.device).expand(rows, -1)
+            position_ids = torch.cat([prefix_positions, position_ids], dim=1)
+            prefix_length = 0
+        if prefix_cache is not None:
+            kwargs[support.cache_argument] = prefix_cache
+            kwargs["use_cache"] = True  # some models only read a given cache when asked to use one
+        kwargs["attention_mask"] = packed_attention_mask(segment_ids, mask_dtype, prefix_length)
+        kwargs["position_ids"] = position_ids
         if support.logits_to_keep:
             kwargs["logits_to_keep"] = int(batch["logits_to_keep"])
     else:
         kwargs["attention_mask"] = batch["attention_mask"]
-    if support.use_cache:
+    if support.use_cache and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
-    output = model(**kwargs)
+    output = model(input_ids=input_ids, **kwargs)
     logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, (tuple, list)) else output
-    return logits, input_ids.shape[1] - logits.shape[1]
+    return logits, batch["input_ids"].shape[1] - logits.shape[1]
+
+
+def _run_prefix(model: nn.Module, prefix: torch.Tensor, rows: int, support: _ForwardSupport):
+    """KV cache of the shared prefix, repeated for every row; None if the model offers no usable cache."""
+    if support.cache_argument is None:
+        return None
+    kwargs = {"logits_to_keep": 1} if support.logits_to_keep else {}
+    output = model(input_ids=prefix[None], use_cache=True, **kwargs)
+    cache = getattr(output, "cache", None)  # transformers >= 5.2x; "past_key_values" is its deprecated alias
+    if cache is None:
+        cache = getattr(output, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(rows)
+    return cache
 
 
 @torch.no_grad()

@@ -197,12 +197,32 @@ def test_evaluator_rejects_unknown_and_untracked_tasks():
         evaluator.update(BigramLM(torch.zeros(5, 5)), batch)
 
 
-def test_packed_layout_refuses_flash_attention():
+def test_packed_layout_refuses_models_without_a_4d_mask_route():
     model = BigramLM(torch.zeros(5, 5))
     model.config = SimpleNamespace(_attn_implementation="flash_attention_2")
     batch = BenchmarkCollator("arc_challenge", 0)([make_example(0, [1], [[2, 3], [3]], gold=0)])
     with pytest.raises(ValueError, match="pack_choices=False"):
         score_batch(model, batch)
+
+
+def test_flash_attention_models_are_scored_through_sdpa_and_restored():
+    model = tiny_llama(20)
+    example = make_example(0, [1, 2, 3, 4], [[5, 6], [7]], gold=0)
+    batch = BenchmarkCollator("arc_challenge", 0)([example])
+    expected = score_batch(model, batch).choice_loglik
+    switched = []
+    original = model.set_attn_implementation
+
+    def record(name):
+        switched.append(name)
+        if name == "sdpa":
+            original("sdpa")  # flash kernels are not installed on CPU: only record the switch back
+
+    model.config._attn_implementation = "flash_attention_2"
+    model.set_attn_implementation = record
+    scored = score_batch(model, batch)
+    assert switched == ["sdpa", "flash_attention_2"]
+    assert scored.choice_loglik.tolist() == pytest.approx(expected.tolist(), abs=1e-6)
 
 
 def _free_port() -> int:
@@ -289,3 +309,45 @@ def test_choice_logliks_match_lm_eval_hflm(embedded_tokenizer):
             ]
             theirs = [loglik for loglik, _ in lm.loglikelihood(requests, disable_tqdm=True)]
             assert ours == pytest.approx(theirs, abs=2e-4), task
+
+
+class KwargsOnlyWrapper(nn.Module):
+    """A wrapper exposing only ``forward(**kwargs)``: no KV-cache argument to reuse a prefix through."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, **kwargs):
+        return self.model(**kwargs)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_shared_prefix_runs_once_and_scores_unchanged(wrapped):
+    model = tiny_llama(60)
+    rng = random.Random(1)
+    shared = [rng.randrange(1, 60) for _ in range(40)]  # like MMLU's description + few-shot block
+    examples, truth = [], []
+    for example_id in range(4):
+        context = shared + [rng.randrange(1, 60) for _ in range(rng.randint(3, 9))]
+        continuations = [[rng.randrange(1, 60)] for _ in range(3)] + [[rng.randrange(1, 60) for _ in range(3)]]
+        examples.append(make_example(example_id, context, continuations, gold=0))
+        truth += [reference_loglik(model, context, c, 256) for c in continuations]
+    batch = BenchmarkCollator("mmlu", pad_token_id=0)(examples)
+    assert batch["prefix_ids"].tolist() == shared
+    assert batch["input_ids"].shape[1] <= 9 + 2  # rows hold only what follows the prefix
+    processed = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, output: processed.append(args[0].numel()))
+    scored = score_batch(KwargsOnlyWrapper(model) if wrapped else model, batch)
+    assert scored.choice_loglik.tolist() == pytest.approx(truth, abs=2e-4)
+    if wrapped:  # prefix put back in front of every row: correct, no saving
+        assert processed == [batch["input_ids"].numel() + 4 * len(shared)]
+    else:  # the prefix once, then the rows' remainders against its KV cache
+        assert processed == [len(shared), batch["input_ids"].numel()]
+
+
+def test_no_prefix_when_rows_share_too_little():
+    examples = [make_example(i, [1, 2, 3 + i, 4, 5], [[6], [7]], gold=0) for i in range(3)]
+    batch = BenchmarkCollator("mmlu", pad_token_id=0)(examples)
+    assert batch["prefix_ids"].numel() == 0 and batch["input_ids"].shape[1] == 5

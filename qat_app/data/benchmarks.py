@@ -22,8 +22,10 @@ separately, continuation tokens = the tail of the joint encoding) and turned int
 *rows*: the context once, followed by every choice's continuation (minus its last token, which is
 only ever a target). A 4-D attention mask keeps choices from seeing each other, so one forward
 pass scores all choices; single-token choices (MMLU's letters) just read the context's last
-logits. ``pack_choices=False`` gives one row per choice instead, for models that cannot take a
-custom 4-D mask (e.g. flash-attention).
+logits. Within a batch, a prefix shared by all rows (MMLU's subject description and few-shot block;
+MMLU batches are formed subject by subject) goes in ``prefix_ids`` and is run once, its KV cache
+reused by every row. ``pack_choices=False`` gives one plain right-padded row per choice instead, for
+models whose forward takes only ``input_ids`` and a 2-D ``attention_mask``.
 """
 
 from __future__ import annotations
@@ -620,12 +622,27 @@ def layout_rows(
 
 
 class BenchmarkDataset(Dataset):
-    """Tokenised examples of one task, longest first (less padding per batch; OOMs show up at once)."""
+    """Tokenised examples of one task, longest first (less padding per batch; OOMs show up at once).
 
-    def __init__(self, task: str, examples: Sequence[MultipleChoiceExample], tokenized: Sequence[TokenizedExample]):
+    With ``group_by_subject`` MMLU examples are ordered subject by subject (longest first within each),
+    so a batch's rows share the subject's description and few-shot block, which the collator then
+    runs only once (see ``BenchmarkCollator(share_prefix=True)``).
+    """
+
+    def __init__(
+        self,
+        task: str,
+        examples: Sequence[MultipleChoiceExample],
+        tokenized: Sequence[TokenizedExample],
+        group_by_subject: bool = False,
+    ):
         self.task = task
         self.examples = list(examples)  # indexed by example_id
-        self.items = sorted(tokenized, key=lambda item: (-item.longest_row, item.example_id))
+        if group_by_subject:
+            key = lambda item: (item.subject_index, -item.longest_row, item.example_id)  # noqa: E731
+        else:
+            key = lambda item: (-item.longest_row, item.example_id)  # noqa: E731
+        self.items = sorted(tokenized, key=key)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -634,25 +651,45 @@ class BenchmarkDataset(Dataset):
         return self.items[index]
 
 
+def shared_prefix_length(rows: Sequence[ScoringRow]) -> int:
+    """Length of the token prefix all rows share, stopping before any row's last context token (whose
+    logit predicts the first continuation token, so it must stay in the row)."""
+    common = os.path.commonprefix([row.tokens for row in rows])
+    return max(0, min(len(common), min(row.segments.count(0) for row in rows) - 1))
+
+
 class BenchmarkCollator:
     """Pads a list of :class:`TokenizedExample` into one batch dict.
 
     Keys: ``benchmark`` (task name), ``layout`` ("packed": left-padded rows with ``position_ids``,
-    ``segment_ids`` (-1 pad, 0 context, k branch) and ``logits_to_keep``; "per_choice": right-padded rows
-    with a 2-D ``attention_mask`` only), ``input_ids`` [R, T], ``attention_mask`` [R, T]; per target
-    token ``target_row``/``target_pos``/``target_token``/``target_choice`` [N]; per choice
+    ``segment_ids`` (-1 pad, 0 context, k branch), ``logits_to_keep`` and ``prefix_ids``; "per_choice":
+    right-padded rows with a 2-D ``attention_mask`` only), ``input_ids`` [R, T], ``attention_mask`` [R, T];
+    per target token ``target_row``/``target_pos``/``target_token``/``target_choice`` [N]; per choice
     ``choice_example``/``choice_slot``/``choice_char_length`` [M]; per example ``example_id``, ``gold``,
     ``subject_index`` [E]; ``max_choices`` (int).
+
+    ``share_prefix`` (packed only): when all rows start with the same ``min_shared_prefix`` or more
+    context tokens (MMLU's description and few-shot block), those go to ``prefix_ids`` [P] once and the
+    rows hold only the rest; ``position_ids`` stay absolute, so the scorer runs the prefix once and
+    attends every row to it.
     """
 
-    def __init__(self, task: str, pad_token_id: int, packed: bool = True):
+    def __init__(
+        self, task: str, pad_token_id: int, packed: bool = True, share_prefix: bool = True, min_shared_prefix: int = 8
+    ):
         self.task = task
         self.pad_token_id = pad_token_id
         self.packed = packed
+        self.share_prefix = share_prefix and packed
+        self.min_shared_prefix = min_shared_prefix
 
     def __call__(self, items: Sequence[TokenizedExample]) -> dict[str, Any]:
         rows = [row for item in items for row in item.rows]
-        width = max(len(row.tokens) for row in rows)
+        prefix_length = shared_prefix_length(rows) if self.share_prefix and len(rows) > 1 else 0
+        if prefix_length < self.min_shared_prefix:
+            prefix_length = 0
+        prefix = rows[0].tokens[:prefix_length]
+        width = max(len(row.tokens) for row in rows) - prefix_length
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         position_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -668,14 +705,15 @@ class BenchmarkCollator:
                 choice_slot.append(slot)
                 choice_char_length.append(float(length))
             for row in item.rows:
-                length = len(row.tokens)
+                length = len(row.tokens) - prefix_length
                 start = width - length if self.packed else 0
                 span = slice(start, start + length)
-                input_ids[row_index, span] = torch.tensor(row.tokens)
+                input_ids[row_index, span] = torch.tensor(row.tokens[prefix_length:])
                 attention_mask[row_index, span] = 1
-                position_ids[row_index, span] = torch.tensor(row.positions)
-                segment_ids[row_index, span] = torch.tensor(row.segments)
+                position_ids[row_index, span] = torch.tensor(row.positions[prefix_length:])
+                segment_ids[row_index, span] = torch.tensor(row.segments[prefix_length:])
                 for position, token, choice in row.targets:
+                    position -= prefix_length  # never negative: the prefix stops before each row's last context token
                     target_row.append(row_index)
                     target_pos.append(start + position)
                     target_token.append(token)
@@ -703,6 +741,7 @@ class BenchmarkCollator:
             batch["position_ids"] = position_ids
             batch["segment_ids"] = segment_ids
             batch["logits_to_keep"] = tail
+            batch["prefix_ids"] = torch.tensor(prefix, dtype=torch.long)
         return batch
 
 
@@ -750,6 +789,9 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         mmlu_subjects: subset of the 57 subjects (None: all).
         pack_choices: score all choices of an example in one row with a 4-D attention mask; set False for
             models that only take a 2-D padding mask.
+        share_prefix: (with pack_choices) run the prefix that all rows of a batch share -- MMLU's subject
+            description and few-shot block -- once per batch and attend the rows to it. MMLU batches are
+            then formed subject by subject.
         num_workers: DataLoader workers (collation is cheap; 0 is usually right).
     """
 
@@ -765,6 +807,7 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         source: str = "auto",
         mmlu_subjects: list[str] | None = None,
         pack_choices: bool = True,
+        share_prefix: bool = True,
         num_workers: int = 0,
     ):
         super().__init__()
@@ -793,6 +836,7 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         self.max_length = max_length
         self.source = source
         self.pack_choices = pack_choices
+        self.share_prefix = share_prefix and pack_choices
         self.num_workers = num_workers
         self._tokenizer = None
         self.datasets: dict[str, BenchmarkDataset] = {}
@@ -837,7 +881,7 @@ class BenchmarkDataModule(lightning.LightningDataModule):
                 task, self.num_fewshot[task], self.limit, self.seed, self.source, self.mmlu_subjects
             )
             tokenized = tokenize_examples(examples, tokenizer, self.max_length, self.pack_choices)
-            self.datasets[task] = BenchmarkDataset(task, examples, tokenized)
+            self.datasets[task] = BenchmarkDataset(task, examples, tokenized, group_by_subject=self.share_prefix)
             provenance += lines
         self.provenance = provenance
         for line in provenance:
@@ -857,7 +901,7 @@ class BenchmarkDataModule(lightning.LightningDataModule):
                 batch_size=self.batch_size,
                 shuffle=False,
                 num_workers=self.num_workers,
-                collate_fn=BenchmarkCollator(task, pad_token_id, self.pack_choices),
+                collate_fn=BenchmarkCollator(task, pad_token_id, self.pack_choices, self.share_prefix),
             )
             for task in self.tasks
         ]
