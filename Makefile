@@ -12,9 +12,11 @@ quickstart: install
 	$(PYTHON) main.py fit --config configs/quickstart.yaml
 
 # The Triton kernel's tests run on the CPU through Triton's interpreter; GPU machines already have
-# the triton their torch build pins, so it is only installed where it is missing.
+# the triton their torch build pins, so it is only installed where it is missing. lm-eval is the
+# reference the benchmark-scoring tests compare against.
 test-deps: install
 	$(PYTHON) -c "import triton" 2>/dev/null || $(PYTHON) -m pip install -q triton==3.6.0
+	$(PYTHON) -m pip install -q -r requirements-bench.txt
 
 test: test-deps
 	$(PYTHON) -m pytest -q -ra
