@@ -72,8 +72,7 @@ from torch import nn
 
 from .config import QuantConfig
 from .errors import CheckpointError, QATError
-from .fake_quant import fake_quantize, fake_quantize_current
-from .formats import get_format
+from .fake_quant import dequantize_codes, fake_quantize, fake_quantize_current
 from .linear import HiF8Linear
 from .models import resolve_dtype
 from .patch import _set_submodule, dequantize_model, quantized_linears, select_modules
@@ -163,9 +162,6 @@ def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None)
     return result.codes, scale, result.dequantized
 
 
-def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """``decode(codes) / scale`` in float32 (exact), then cast to ``dtype`` (what the QAT forward pass does)."""
-    return (get_format(fmt).decode(codes, torch.float32) / scale.float()).to(dtype)
 
 
 class _StagingDir:
