@@ -81,6 +81,9 @@ class Variant:
                 loss = self.model(input_ids=ids, labels=ids).loss / len(self.batches)
             loss.backward()
         advance_all(self.scalers)
+        for module in self.model.modules():
+            if hasattr(module, "release_weight_cache"):
+                module.release_weight_cache()  # as QATModule does: stale once the optimizer steps
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -97,12 +100,18 @@ class Variant:
 def peak_rss_child(args, variant: str) -> int:
     """Run `--child VARIANT` in a fresh interpreter and return its peak RSS in bytes."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant] + [
-        a for a in sys.argv[1:] if a != "--child"]
+        a for a in sys.argv[1:] if a not in ("--child", "--memory-only")]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rss"]
 
 
 def child(args) -> None:
+    if args.fused != "off":
+        # Load the compiler runtime in both children, so its code (~100-200 MB of RSS, a fixed cost of
+        # the process, not of training) is not counted as QAT memory.
+        from qat_app.fake_quant import fake_quantize
+
+        fake_quantize(torch.ones(64), torch.tensor(1.0), 15.0, fused=args.fused)
     model = build_model(args)
     batches = make_batches(args, model.config.vocab_size)
     v = Variant(model, batches, args, quantized=args.child == "qat")
@@ -128,6 +137,7 @@ def main() -> None:
     p.add_argument("--fused", default="auto")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (default on cuda)")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--memory-only", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.bf16 = args.bf16 or args.device == "cuda"
@@ -135,6 +145,11 @@ def main() -> None:
     if args.child:
         return child(args)
 
+    if args.memory_only:
+        peaks = {name: peak_rss_child(args, name) for name in ("bf16", "qat")}
+        print(f"peak RSS: baseline {peaks['bf16'] / 2**30:.2f} GiB  QAT {peaks['qat'] / 2**30:.2f} GiB  "
+              f"ratio {peaks['qat'] / peaks['bf16']:.3f}")
+        return
     base_model = build_model(args)
     qat_model = copy.deepcopy(base_model)
     batches = make_batches(args, base_model.config.vocab_size)

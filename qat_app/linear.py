@@ -174,6 +174,10 @@ class HiF8Linear(nn.Linear):
             scaler.observe(stats[0], stats[1], weight.numel())
         return saved, scale, mask
 
+    def release_weight_cache(self) -> None:
+        """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
+        self._weight_cache = None
+
     def _dequantize(self, saved: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         if scale is None:  # not quantized: the tensor itself
             return saved

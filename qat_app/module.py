@@ -148,6 +148,8 @@ class QATModule(L.LightningModule):
             self.consecutive_nonfinite = 0
             for scaler in self.scalers:
                 scaler.advance()
+            for _, layer in self.quantized_linears():
+                layer.release_weight_cache()  # the weights are about to change
         else:
             self._skip_step(optimizer)
         self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
