@@ -79,7 +79,6 @@ A resume is exact only with the same data settings, world size and ``num_workers
 from __future__ import annotations
 
 import glob
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
