@@ -91,7 +91,11 @@ def hif8_round(x: torch.Tensor, stochastic: bool = False, generator: torch.Gener
 
 def hif8_encode(x: torch.Tensor) -> torch.Tensor:
     """Round to HiF8 and return the uint8 codes."""
-    value = hif8_round_f32(x.float())
+    return hif8_encode_rounded(hif8_round_f32(x.float()))
+
+
+def hif8_encode_rounded(value: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of float32 values already on the HiF8 grid (``hif8_round_f32``'s output)."""
     bits = _f32_bits(value)
     negative = bits < 0
     mag = bits & _F32_MAG_MASK
@@ -143,9 +147,28 @@ HIF8_TABLE = torch.tensor([_decode_code(c) for c in range(256)], dtype=torch.flo
 
 
 def hif8_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 HiF8 codes -> values (exact in float32/bfloat16/float16)."""
-    table = HIF8_TABLE.to(device=codes.device, dtype=dtype)
-    return table[codes.long()]
+    """uint8 HiF8 codes -> values (exact in float32/bfloat16/float16); equals ``HIF8_TABLE[codes]``.
+
+    Built from the bit fields rather than a table lookup: elementwise integer ops vectorize in
+    compiled kernels, where a gather from a 256-entry table runs element by element.
+    """
+    c = codes.to(torch.int32)
+    m = c & 0x7F
+    exp_negative = torch.where(m < 0x20, (m >> 3) & 1, (m >> 4) & 1)  # D=1 keeps its sign one bit lower
+    magnitude = torch.where(
+        m >= 0x60, 8 + ((m >> 1) & 7),  # D=4
+        torch.where(m >= 0x40, 4 + ((m >> 2) & 3),  # D=3
+                    torch.where(m >= 0x20, 2 + ((m >> 3) & 1), (m >= 0x10).int())),  # D=2, D=1, D=0
+    )
+    mantissa = torch.where(m >= 0x60, (m & 1) << 22, torch.where(m >= 0x40, (m & 3) << 21, (m & 7) << 20))
+    exp = torch.where(exp_negative == 1, -magnitude, magnitude)
+    bits = ((exp + 127) << 23) | mantissa
+    bits = torch.where(m < 0x08, (m + 104) << 23, bits)  # denormals 2^(m-23)
+    bits = torch.where(m == 0, 0, bits)
+    bits = torch.where(m == 0x6F, _F32_INF_BITS, bits)  # 1.5 * 2^15 is infinity
+    bits = torch.where(c >= 0x80, bits | torch.iinfo(torch.int32).min, bits)  # the sign bit
+    bits = torch.where(c == HIF8_NAN_CODE, 0x7FC00000, bits)
+    return bits.view(torch.float32).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,6 +184,10 @@ class Float8Format:
     encode: Callable[[torch.Tensor], torch.Tensor]  # -> uint8
     decode: Callable[..., torch.Tensor]  # uint8 -> values
     supports_stochastic: bool = False
+    encode_rounded: Callable[[torch.Tensor], torch.Tensor] | None = None  # on-grid float32 -> uint8, no re-rounding
+
+    def codes_of_rounded(self, value: torch.Tensor) -> torch.Tensor:
+        return (self.encode_rounded or self.encode)(value)
 
 
 def _torch_float8(dtype: torch.dtype, name: str) -> Float8Format:
@@ -181,7 +208,8 @@ def _torch_float8(dtype: torch.dtype, name: str) -> Float8Format:
 
 
 FORMATS: dict[str, Float8Format] = {
-    "hif8": Float8Format("hif8", HIF8_MAX, 15.0, hif8_round_f32, hif8_encode, hif8_decode, supports_stochastic=True),
+    "hif8": Float8Format("hif8", HIF8_MAX, 15.0, hif8_round_f32, hif8_encode, hif8_decode, supports_stochastic=True,
+                         encode_rounded=hif8_encode_rounded),
     "e4m3": _torch_float8(torch.float8_e4m3fn, "e4m3"),
     "e5m2": _torch_float8(torch.float8_e5m2, "e5m2"),
 }

@@ -115,6 +115,7 @@ class QATModule(L.LightningModule):
         self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
         self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
         self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step
+        self._step_grad_norm: torch.Tensor | None = None
         self.evaluator = None  # built lazily when benchmark batches arrive
 
     # --------------------------------------------------------------------------------- training
@@ -136,6 +137,7 @@ class QATModule(L.LightningModule):
             grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         else:
             grad_norm = torch.zeros((), device=self.device)
+        self._step_grad_norm = grad_norm  # reused by configure_gradient_clipping
         self.log("train/grad_norm", grad_norm, on_step=True)
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, prog_bar=True)
         bad = ~torch.isfinite(grad_norm)
@@ -153,6 +155,29 @@ class QATModule(L.LightningModule):
         else:
             self._skip_step(optimizer)
         self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip by norm with the norm already computed in ``on_before_optimizer_step``.
+
+        Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6), at
+        most 1), without a second pass over every gradient. Only where each rank holds whole
+        gradients (one device, DDP); sharded strategies and clipping by value go to Lightning.
+        """
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        norm, self._step_grad_norm = self._step_grad_norm, None
+        algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm").lower()
+        replicated = type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy)
+        if not gradient_clip_val or algorithm != "norm" or norm is None or not replicated:
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        coefficient = (gradient_clip_val / (norm + 1e-6)).clamp(max=1.0)
+        groups: dict[tuple, list[torch.Tensor]] = {}  # none after a skipped step
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, dtype), grads in groups.items():
+            torch._foreach_mul_(grads, coefficient.to(device, dtype))
 
     def _skip_step(self, optimizer) -> None:
         for group in optimizer.param_groups:
