@@ -2,7 +2,9 @@
 
 Measures the whole per-tensor step the quantized linear runs (scale, clip, round to HiF8,
 dequantize, amax, saturation count) on a 64M-element tensor in bf16 and fp32, for the plain-torch
-reference and the fused (torch.compile) kernel, and prints elements/s and the ratio to clone().
+reference and the fused (torch.compile) kernel, and prints elements/s and the ratio to clone();
+also the fused kernel writing the uint8 codes (``fused+codes``) and decoding codes back to values
+(``decode``), the two calls behind 8-bit saved activations.
 Targets: fused within 4x of clone() on a CPU, within 1.5x on a GPU.
 
 On CUDA, ``fused`` for HiF8 dispatches to the hand-written Triton kernel when triton is installed;
@@ -22,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qat_app.fake_quant import _dispatch, _fake_quantize, fake_quantize  # noqa: E402
+from qat_app.fake_quant import _dispatch, _fake_quantize, dequantize_codes, fake_quantize  # noqa: E402
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -59,6 +61,10 @@ def main() -> None:
         print(f"{str(dtype)[6:]:>9} {'clone':>12} {base:9.4f} {args.numel / base / 1e9:9.2f} {1.0:8.2f}")
         paths = [("fused", "on")] + ([] if args.skip_eager else [("plain", "off")])
         runs = [(label, lambda fused=fused: fake_quantize(x, scale, 15.0, fused=fused)) for label, fused in paths]
+        # what the quantized linear runs per step: quantize with the uint8 codes, decode them for backward
+        codes = fake_quantize(x, scale, 15.0, want_codes=True, fused="on").codes
+        runs.append(("fused+codes", lambda: fake_quantize(x, scale, 15.0, want_codes=True, fused="on")))
+        runs.append(("decode", lambda: dequantize_codes(codes, scale, "hif8", dtype, fused="on")))
         if args.triton and device == "cuda":
             from qat_app.triton_fake_quant import fake_quantize_triton, supports
 
