@@ -36,6 +36,21 @@ def test_all_256_codes_decode_and_round_trip():
     np.testing.assert_array_equal(ref_values.astype(HIF8).view(np.uint8)[finite_or_inf], codes[finite_or_inf])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decode_of_all_codes_matches_the_reference(dtype):
+    """The fused decode (backward reads the 8-bit saved tensors through it) over every code and scale bit."""
+    from qat_app.fake_quant import dequantize_codes
+
+    codes = np.arange(256, dtype=np.uint8).repeat(3)  # a length the vector loop does not divide
+    scale = torch.tensor(0.75)
+    ref = (torch.from_numpy(codes.view(HIF8).astype(np.float32)) / scale).to(dtype)
+    for fused in ("off", "on"):
+        ours = dequantize_codes(torch.from_numpy(codes), scale, "hif8", dtype, fused=fused)
+        assert ours.dtype == dtype
+        assert_same_bits(ours.float().numpy(), ref.float().numpy(), codes)
+
+
 def _dense_sweep() -> np.ndarray:
     """Every binade from 2^-26 to 2^17 at 1/4096 resolution, all midpoints between neighbouring
     HiF8 values and their float32 neighbours, the denormal and overflow edges, both signs."""
