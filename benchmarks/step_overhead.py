@@ -190,8 +190,6 @@ def main() -> None:
           f"QAT {' '.join(f'{t:.2f}' for t in times['qat'])}")
     print(f"step time (median): baseline {t_base:.3f}s  QAT {t_qat:.3f}s  ratio {t_qat / t_base:.3f}")
     if args.device == "cuda":
-        for name, v in (("bf16", base), ("qat", qat)):
-            del v
         del base, qat, base_model, qat_model
         peaks = {}
         for name in ("bf16", "qat"):

@@ -43,7 +43,7 @@ def _fake_quantize(
     clipped = (scaled.abs() > max_val).sum()
     q = fmt.round_f32(scaled.clamp(-max_val, max_val), noise)
     dequantized = (q / scale).to(x.dtype)
-    codes = fmt.codes_of_rounded(q) if want_codes else None
+    codes = fmt.encode_rounded(q) if want_codes else None
     return FakeQuantResult(dequantized, amax, clipped, codes)
 
 

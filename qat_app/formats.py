@@ -183,11 +183,8 @@ class Float8Format:
     round_f32: Callable[..., torch.Tensor]  # float32 -> float32 on the format's grid
     encode: Callable[[torch.Tensor], torch.Tensor]  # -> uint8
     decode: Callable[..., torch.Tensor]  # uint8 -> values
+    encode_rounded: Callable[[torch.Tensor], torch.Tensor]  # float32 already on the grid -> uint8, no re-rounding
     supports_stochastic: bool = False
-    encode_rounded: Callable[[torch.Tensor], torch.Tensor] | None = None  # on-grid float32 -> uint8, no re-rounding
-
-    def codes_of_rounded(self, value: torch.Tensor) -> torch.Tensor:
-        return (self.encode_rounded or self.encode)(value)
 
 
 def _torch_float8(dtype: torch.dtype, name: str) -> Float8Format:
@@ -204,12 +201,12 @@ def _torch_float8(dtype: torch.dtype, name: str) -> Float8Format:
     def decode(codes: torch.Tensor, dtype_out: torch.dtype = torch.float32) -> torch.Tensor:
         return codes.view(dtype).to(dtype_out)
 
-    return Float8Format(name, finfo.max, finfo.max, round_f32, encode, decode)
+    return Float8Format(name, finfo.max, finfo.max, round_f32, encode, decode, encode_rounded=encode)
 
 
 FORMATS: dict[str, Float8Format] = {
-    "hif8": Float8Format("hif8", HIF8_MAX, 15.0, hif8_round_f32, hif8_encode, hif8_decode, supports_stochastic=True,
-                         encode_rounded=hif8_encode_rounded),
+    "hif8": Float8Format("hif8", HIF8_MAX, 15.0, hif8_round_f32, hif8_encode, hif8_decode, hif8_encode_rounded,
+                         supports_stochastic=True),
     "e4m3": _torch_float8(torch.float8_e4m3fn, "e4m3"),
     "e5m2": _torch_float8(torch.float8_e5m2, "e5m2"),
 }

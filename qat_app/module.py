@@ -24,6 +24,7 @@ from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import QuantConfig, QuantConfigError
@@ -132,7 +133,7 @@ class QATModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = _gradients(optimizer)
         if grads:
             grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         else:
@@ -163,8 +164,6 @@ class QATModule(L.LightningModule):
         most 1), without a second pass over every gradient. Only where each rank holds whole
         gradients (one device, DDP); sharded strategies and clipping by value go to Lightning.
         """
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
         norm, self._step_grad_norm = self._step_grad_norm, None
         algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm").lower()
         replicated = type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy)
@@ -172,10 +171,8 @@ class QATModule(L.LightningModule):
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         coefficient = (gradient_clip_val / (norm + 1e-6)).clamp(max=1.0)
         groups: dict[tuple, list[torch.Tensor]] = {}  # none after a skipped step
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for grad in _gradients(optimizer):
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, dtype), grads in groups.items():
             torch._foreach_mul_(grads, coefficient.to(device, dtype))
 
@@ -274,6 +271,10 @@ class QATModule(L.LightningModule):
     # -------------------------------------------------------------------------------- utilities
     def quantized_linears(self):
         return quantized_linears(self.model)
+
+
+def _gradients(optimizer) -> list[torch.Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def lr_multiplier(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float):

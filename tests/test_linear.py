@@ -18,6 +18,19 @@ def make_layer(seed=0, bias=True, **quant):
     return plain, layer
 
 
+def run_step(dtype, shape, seed, **quant):
+    """One forward/backward of a layer with fixed scales (input 2.0, weight 30.0); -> (layer, x, output)."""
+    _, layer = make_layer(**quant)
+    layer.to(dtype)
+    set_scale(layer.input_scaler, 2.0)
+    set_scale(layer.weight_scaler, 30.0)
+    torch.manual_seed(seed)
+    x = (torch.randn(*shape, 32) * 4).to(dtype).requires_grad_()
+    out = layer(x)
+    out.float().pow(2).sum().backward()
+    return layer, x, out.detach()
+
+
 def set_scale(scaler, scale):
     """Give a scaler a history so it uses delayed scaling with exactly this scale."""
     scaler.observe(torch.tensor(scaler.max_val / scale), None, 1)
@@ -118,15 +131,8 @@ def test_weight_is_quantized_once_per_optimizer_step(monkeypatch):
 def test_8bit_saved_input_gives_identical_gradients(dtype, ste):
     grads = []
     for save_codes in (False, True):
-        _, layer = make_layer(save_8bit_activations=save_codes, ste=ste)
-        layer.to(dtype)
-        set_scale(layer.input_scaler, 2.0)
-        set_scale(layer.weight_scaler, 30.0)
-        torch.manual_seed(1)
-        x = (torch.randn(3, 7, 32) * 4).to(dtype).requires_grad_()
-        out = layer(x)
-        out.float().pow(2).sum().backward()
-        grads.append((out.detach(), x.grad, layer.weight.grad, layer.bias.grad))
+        layer, x, out = run_step(dtype, (3, 7), 1, save_8bit_activations=save_codes, ste=ste)
+        grads.append((out, x.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*grads):
         assert a.dtype == dtype and torch.equal(a, b)
 
@@ -185,15 +191,8 @@ def test_fused_layer_matches_reference_outputs_and_gradients(dtype):
     """The whole HiF8Linear step (weight codes cache, 8-bit saved input, backward decode) fused vs plain."""
     results = []
     for fused in ("off", "on"):
-        _, layer = make_layer(fused=fused)
-        layer.to(dtype)
-        set_scale(layer.input_scaler, 2.0)
-        set_scale(layer.weight_scaler, 30.0)
-        torch.manual_seed(3)
-        x = (torch.randn(5, 9, 32) * 4).to(dtype).requires_grad_()
-        out = layer(x)
-        out.float().pow(2).sum().backward()
-        results.append((out.detach(), x.grad, layer.weight.grad, layer.bias.grad,
+        layer, x, out = run_step(dtype, (5, 9), 3, fused=fused)
+        results.append((out, x.grad, layer.weight.grad, layer.bias.grad,
                         layer.input_scaler.step_amax, layer.input_scaler.step_clipped))
     for a, b in zip(*results):
         assert torch.equal(a, b)

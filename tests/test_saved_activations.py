@@ -5,6 +5,8 @@ A quantized linear keeps its input as uint8 HiF8 codes plus a 0-d scale, and its
 autocast, a bf16 copy of every weight). The difference over a whole Llama must be exactly that.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -12,16 +14,7 @@ from qat_app.config import QuantConfig
 from qat_app.linear import HiF8Linear
 from qat_app.patch import quantize_model
 
-HIDDEN, INTERMEDIATE, BLOCKS, HIGH_PRECISION = 64, 128, 4, 2
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=BLOCKS,
-                         num_attention_heads=4, num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-    return LlamaForCausalLM(config).train()
+HIGH_PRECISION = 2
 
 
 def saved_for_backward(model, ids, bf16: bool) -> list[torch.Tensor]:
@@ -46,8 +39,8 @@ def nbytes(tensors) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_keeps_its_input_as_one_byte_codes(dtype):
-    layer = HiF8Linear(HIDDEN, INTERMEDIATE, quant=QuantConfig(fused="off")).to(dtype)
-    x = torch.randn(3, 5, HIDDEN, dtype=dtype, requires_grad=True)
+    layer = HiF8Linear(64, 128, quant=QuantConfig(fused="off")).to(dtype)
+    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(x).sum().backward()
@@ -59,11 +52,12 @@ def test_quantized_linear_keeps_its_input_as_one_byte_codes(dtype):
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_quantized_model_saves_exactly_the_8bit_difference(bf16):
+def test_quantized_model_saves_exactly_the_8bit_difference(tiny_llama, bf16):
     batch, seq = 2, 16
-    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(0))
-    plain = nbytes(saved_for_backward(tiny_llama(), ids, bf16))
-    model = tiny_llama()
+    config = tiny_llama.config
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(tiny_llama)
+    plain = nbytes(saved_for_backward(tiny_llama, ids, bf16))
     report = quantize_model(model, QuantConfig(high_precision_layers=HIGH_PRECISION, fused="off"))
     quantized = nbytes(saved_for_backward(model, ids, bf16))
 
@@ -72,7 +66,7 @@ def test_quantized_model_saves_exactly_the_8bit_difference(bf16):
     # gate/up's shared input: 4 bytes per element in plain (kept once in fp32, or one bf16 cast per
     # linear under autocast) vs two 1-byte codes; down's input: compute_bytes vs 1 byte; weights:
     # 1-byte codes vs nothing extra (fp32 keeps the parameter) or a 2-byte copy (autocast)
-    input_saving = tokens * (HIDDEN * (4 - 2) + INTERMEDIATE * (compute_bytes - 1))
+    input_saving = tokens * (config.hidden_size * (4 - 2) + config.intermediate_size * (compute_bytes - 1))
     weight_saving = report.num_params * ((2 - 1) if bf16 else -1)
     scales = 2 * report.num_linears * 4  # one float32 scale saved per quantized input and weight
     assert plain - quantized == input_saving + weight_saving - scales
