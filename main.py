@@ -18,9 +18,11 @@ import os
 import sys
 
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from callbacks import AmaxSaturationCallback, BF16WarmupCallback, RNGStateCallback, StepLogCallback, TokenThroughputMonitor
+from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, InitialEvaluationCallback, RNGStateCallback,
+                       RunSummaryCallback, StepLogCallback, StepProgressBar, TokenThroughputMonitor)
 from qat_app.errors import ConfigError, QATError
 from qat_app.module import QATModule
 
@@ -70,9 +72,22 @@ class QATCLI(LightningCLI):
         parser.add_lightning_class_args(AmaxSaturationCallback, "saturation")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
         parser.add_lightning_class_args(StepLogCallback, "step_log")
+        parser.add_lightning_class_args(InitialEvaluationCallback, "initial_eval")
+        # after "saturation": its on_fit_end writes the totals the summary reads
+        parser.add_lightning_class_args(RunSummaryCallback, "summary")
         # the data reads text with the model's own tokenizer
         parser.link_arguments("model.model_name", "data.init_args.tokenizer")
         parser.link_arguments("model.trust_remote_code", "data.init_args.trust_remote_code")
+
+    def _instantiate_trainer(self, config: dict, callbacks: list) -> L.Trainer:
+        """Add the default :class:`StepProgressBar` where Lightning would add its own bar: not next to a
+        progress bar of the user's (Lightning refuses two) nor with ``enable_progress_bar: false``."""
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if config.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
 
     def _parse_ckpt_path(self) -> None:
         """Check an explicit ``--ckpt_path`` file before LightningCLI reads the model settings out of it.
@@ -171,7 +186,9 @@ class QATCLI(LightningCLI):
         cfg["ckpt_path"] = ckpt_path  # exactly the file that was checked
 
 
-def cli_main(args: list[str] | None = None) -> QATCLI:
+def cli_main(args: list[str] | None = None, run: bool = True) -> QATCLI:
+    """``args=None`` reads ``sys.argv`` (a list: as if typed, for tests); ``run=False`` only builds model,
+    data and trainer (no subcommand), as :mod:`tests.test_configs` does for every shipped config."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -183,17 +200,20 @@ def cli_main(args: list[str] | None = None) -> QATCLI:
         # always on, no settings: RNG states of every rank in checkpoints (exact resume)
         trainer_defaults={"callbacks": [RNGStateCallback()]},
         args=args,
+        run=run,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "report":
+    command = sys.argv[1:] if argv is None else argv
+    if command and command[0] == "report":
         from qat_app.report import main as report_main
 
-        report_main(argv[1:])
+        report_main(command[1:])
         return
     try:
+        # None from the command line: LightningCLI reads sys.argv itself (given a list, it warns that
+        # args is meant for calls from within Python)
         cli_main(argv)
     except (QATError, FileNotFoundError) as err:  # the user's input or run, not a bug: no traceback
         if os.environ.get("QAT_APP_TRACEBACK"):

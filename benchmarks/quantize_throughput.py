@@ -73,7 +73,7 @@ def main() -> None:
                 runs.append(("triton+codes", lambda: fake_quantize_triton(x, scale, 15.0, want_codes=True)))
             else:
                 print("  (triton not available: pip install triton)")
-            runs.append(("inductor", lambda: _dispatch(_fake_quantize, "on", x, scale, 15.0, "hif8", False, None)))
+            runs.append(("inductor", lambda: _dispatch(_fake_quantize, "on", x, scale, 15.0, 15.5, "hif8", False, None)))
         for label, fn in runs:
             t = timed(fn, device, args.repeats)
             print(f"{str(dtype)[6:]:>9} {label:>12} {t:9.4f} {args.numel / t / 1e9:9.2f} {t / base:8.2f}")

@@ -1,7 +1,13 @@
+from .initial_eval import InitialEvaluationCallback
 from .progress_log import StepLogCallback
 from .rng import RNGStateCallback
+from .run_summary import RunSummaryCallback
 from .saturation import AmaxSaturationCallback
+from .step_progress import StepProgressBar
 from .throughput import TokenThroughputMonitor
 from .warmup import BF16WarmupCallback
 
-__all__ = ["AmaxSaturationCallback", "BF16WarmupCallback", "RNGStateCallback", "StepLogCallback", "TokenThroughputMonitor"]
+__all__ = [
+    "AmaxSaturationCallback", "BF16WarmupCallback", "InitialEvaluationCallback", "RNGStateCallback",
+    "RunSummaryCallback", "StepLogCallback", "StepProgressBar", "TokenThroughputMonitor",
+]

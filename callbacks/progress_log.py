@@ -11,6 +11,13 @@ import lightning as L
 log = logging.getLogger("qat_app.progress")
 
 
+def format_clipped(count, frac) -> str:
+    """``12 (3.1e-07)``: clipped elements as a count and a fraction. QAT clips a few elements in billions, which
+    a percentage with fixed decimals shows as ``0.000%``; ``count`` may be absent (None): the fraction alone."""
+    frac = f"{float(frac):.1e}"
+    return frac if count is None else f"{int(float(count))} ({frac})"
+
+
 class StepLogCallback(L.Callback):
     """Args:
         every_n_steps: log every N optimizer steps (default: trainer.log_every_n_steps).
@@ -34,9 +41,11 @@ class StepLogCallback(L.Callback):
         m = trainer.callback_metrics
         parts = [f"step {step}/{trainer.max_steps}"]
         for key, label, fmt in (("train/loss", "loss", "{:.4f}"), ("train/lr", "lr", "{:.2e}"),
-                                ("train/grad_norm", "grad_norm", "{:.3f}"), ("sat/clipped_frac", "clipped", "{:.3%}")):
+                                ("train/grad_norm", "grad_norm", "{:.3f}")):
             if key in m:
                 parts.append(f"{label} " + fmt.format(float(m[key])))
+        if "sat/clipped_frac" in m:
+            parts.append("clipped " + format_clipped(m.get("sat/clipped"), m["sat/clipped_frac"]))
         layers = getattr(pl_module, "quantized_linears", lambda: [])()
         if layers:
             on = layers[0][1].quantize_activations or layers[0][1].quantize_weights

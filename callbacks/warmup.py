@@ -68,12 +68,14 @@ class BF16WarmupCallback(L.Callback):
             set_quantization(pl_module.model, weights=False, activations=False, grads=False)
             return
         if self.switched_at is None:
-            for _, layer in quantized_linears(pl_module.model):
+            layers = quantized_linears(pl_module.model)
+            for _, layer in layers:
                 for scaler in layer.scalers():
                     scaler.seed_history()
             self.switched_at = trainer.global_step
-            log.info("BF16 warmup over at step %d: histories seeded, quantization on (weights=%s, activations=%s)",
-                     trainer.global_step, self.quantize_weights, self.quantize_activations)
+            if layers:  # an unquantized baseline has nothing to switch on
+                log.info("BF16 warmup over at step %d: histories seeded, quantization on (weights=%s, activations=%s)",
+                         trainer.global_step, self.quantize_weights, self.quantize_activations)
         set_quantization(
             pl_module.model, weights=self.quantize_weights, activations=self.quantize_activations, grads=True
         )

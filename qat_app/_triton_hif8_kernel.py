@@ -57,12 +57,12 @@ def _f32_to_bf16_rtne(v):
 @triton.jit
 def hif8_fake_quant_kernel(
     x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, tab_ptr, acc_ptr,
-    n, max_val,
+    n, max_val, clip_threshold,
     BLOCK: tl.constexpr, WANT_CODES: tl.constexpr, HAS_NOISE: tl.constexpr, INT64: tl.constexpr,
     OVERFLOW: tl.constexpr, CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One BLOCK of x per program. acc_ptr: int64[2] zeroed by the caller; the low int32 word of
-    acc[0] takes max |x| as float32 bits (atomic max), acc[1] the clipped count (atomic add).
+    acc[0] takes max |x| as float32 bits (atomic max), acc[1] the clipped count (atomic add): elements with |x * scale| >= clip_threshold.
     tab_ptr: int64[1024], the 512 rounding rows then the 4096 uint8 codes. codes_ptr / noise_ptr
     are None unless WANT_CODES / HAS_NOISE (fewer arguments: less launch overhead)."""
     pid = tl.program_id(0)
@@ -79,16 +79,16 @@ def hif8_fake_quant_kernel(
     # multiple of 16 (triton only vectorises a masked access when it can prove n % 16 == 0).
     if start + BLOCK <= n:
         _quantize_block(x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr,
-                        clipped_ptr, offs, n, max_val, False, WANT_CODES, HAS_NOISE, OVERFLOW, CORRECTIONS, INTERPRET)
+                        clipped_ptr, offs, n, max_val, clip_threshold, False, WANT_CODES, HAS_NOISE, OVERFLOW, CORRECTIONS, INTERPRET)
     else:
         _quantize_block(x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr,
-                        clipped_ptr, offs, n, max_val, True, WANT_CODES, HAS_NOISE, OVERFLOW, CORRECTIONS, INTERPRET)
+                        clipped_ptr, offs, n, max_val, clip_threshold, True, WANT_CODES, HAS_NOISE, OVERFLOW, CORRECTIONS, INTERPRET)
 
 
 @triton.jit
 def _quantize_block(
     x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr, clipped_ptr, offs, n,
-    max_val, MASKED: tl.constexpr, WANT_CODES: tl.constexpr, HAS_NOISE: tl.constexpr, OVERFLOW: tl.constexpr,
+    max_val, clip_threshold, MASKED: tl.constexpr, WANT_CODES: tl.constexpr, HAS_NOISE: tl.constexpr, OVERFLOW: tl.constexpr,
     CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     if MASKED:
@@ -109,7 +109,8 @@ def _quantize_block(
     scale = tl.load(scale_ptr)
     scaled = xf * scale
     mag_f = tl.abs(scaled)
-    over = mag_f > max_val  # NaN compares False: not clipped, stays NaN
+    # clipped = the clamp changes the rounded value (formats.saturation_threshold); NaN compares False
+    over = mag_f >= clip_threshold
     if MASKED:
         over = over & mask
     n_clipped = tl.reduce(over.to(tl.int32), 0, _add_combine)

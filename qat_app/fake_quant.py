@@ -5,6 +5,12 @@ dequantized tensor, its true amax (for the history) and the number of saturated 
 plain-torch version is the reference; ``fused`` wraps the same code in ``torch.compile`` so the
 whole thing becomes one or two loops (C++/OpenMP on CPU, Triton on GPU). All ops are exact
 (bit manipulation, multiplication by the scale, division by the scale), so both agree bit for bit.
+
+Saturation, one definition everywhere: an element is *clipped* when clamping ``x * s`` to
+``+-max_val`` changes its quantized value, i.e. ``|x * s| >= formats.saturation_threshold(fmt,
+max_val)`` (HiF8, max_val 15: 15.5, the rounding midpoint above 15). The element equal to a_hat lands
+at ``15 * (1 / a_hat) * a_hat``, one float32 ulp off 15, and is *not* clipped: rounding noise is not
+saturation. The counters, the ``ste="clipped"`` mask and the Triton kernel all use this threshold.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .formats import Float8Format, get_format
+from .formats import Float8Format, get_format, saturation_threshold
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +30,7 @@ log = logging.getLogger(__name__)
 class FakeQuantResult(NamedTuple):
     dequantized: torch.Tensor  # same dtype as the input
     amax: torch.Tensor  # float32 0-d: max |x| of the input (NaN/inf propagate)
-    clipped: torch.Tensor  # int64 0-d: elements with |x * scale| > max_val
+    clipped: torch.Tensor  # int64 0-d: elements whose quantized value the clamp changed (see below)
     codes: torch.Tensor | None  # uint8 codes of x * scale when asked for
 
 
@@ -32,6 +38,7 @@ def _fake_quantize(
     x: torch.Tensor,
     scale: torch.Tensor,
     max_val: float,
+    clip_threshold: float,
     fmt_name: str,
     want_codes: bool,
     noise: torch.Tensor | None,
@@ -40,7 +47,7 @@ def _fake_quantize(
     xf = x.float()
     amax = xf.abs().amax()
     scaled = xf * scale
-    clipped = (scaled.abs() > max_val).sum()
+    clipped = (scaled.abs() >= clip_threshold).sum()
     q = fmt.round_f32(scaled.clamp(-max_val, max_val), noise)
     dequantized = (q / scale).to(x.dtype)
     codes = fmt.encode_rounded(q) if want_codes else None
@@ -58,6 +65,7 @@ def _fake_quantize_current(
     x: torch.Tensor,
     fallback_scale: torch.Tensor,
     max_val: float,
+    clip_threshold: float,
     margin: float,
     fmt_name: str,
     want_codes: bool,
@@ -66,7 +74,7 @@ def _fake_quantize_current(
     """Current tensor scaling (CTS): the scale comes from this tensor's own amax (two passes)."""
     amax = x.float().abs().amax()
     scale = _current_scale(amax, max_val, margin, fallback_scale)
-    return _fake_quantize(x, scale, max_val, fmt_name, want_codes, noise), scale
+    return _fake_quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise), scale
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,7 +164,8 @@ def fake_quantize(
                 raise
             _TRITON_BROKEN = True
             log.warning("the Triton fake-quant kernel failed (%s); using torch.compile / plain torch", err)
-    return _dispatch(_fake_quantize, fused, x, scale, float(max_val), name, want_codes, noise)
+    threshold = saturation_threshold(name, float(max_val))
+    return _dispatch(_fake_quantize, fused, x, scale, float(max_val), threshold, name, want_codes, noise)
 
 
 def fake_quantize_current(
@@ -172,9 +181,17 @@ def fake_quantize_current(
 ) -> tuple[FakeQuantResult, torch.Tensor]:
     """Current-scaling fake quantization; returns the result and the scale that was used."""
     name = fmt if isinstance(fmt, str) else fmt.name
+    threshold = saturation_threshold(name, float(max_val))
     return _dispatch(
-        _fake_quantize_current, fused, x, fallback_scale, float(max_val), float(margin), name, want_codes, noise
+        _fake_quantize_current, fused, x, fallback_scale, float(max_val), threshold, float(margin), name, want_codes,
+        noise,
     )
+
+
+def saturated_mask(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: str | Float8Format) -> torch.Tensor:
+    """True where ``x`` is clipped (the clamp changes its quantized value): the ``ste="clipped"`` mask's complement."""
+    name = fmt if isinstance(fmt, str) else fmt.name
+    return (x.float() * scale).abs() >= saturation_threshold(name, float(max_val))
 
 
 compute_scale = _current_scale

@@ -22,6 +22,7 @@ and GPU runs agree bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -217,3 +218,31 @@ def get_format(name: str) -> Float8Format:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown format {name!r}; allowed: {sorted(FORMATS)}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def saturation_threshold(fmt_name: str, max_val: float) -> float:
+    """The smallest float32 ``t`` whose rounding differs from that of ``max_val``: an element with
+    ``|x * s| >= t`` is *clipped* (clamping it to ``max_val`` changes its quantized value); anything
+    below rounds to the same value clamped or not. For HiF8 and max_val 15 it is 15.5, the midpoint to
+    16 (ties away from zero). NaN when no value rounds differently (``max_val`` already rounds to inf):
+    nothing can clip, and every comparison with NaN is False.
+
+    Derived from the format by a bisection over the float32 bit patterns above ``max_val`` (the
+    predicate is monotone: rounding is monotone), so it holds for any format and any ``max_val``.
+    """
+    fmt = get_format(fmt_name)
+    bound = torch.tensor(float(max_val), dtype=torch.float32)
+    target = fmt.round_f32(bound.view(1))
+    lo, hi = int(_f32_bits(bound.view(1))), _F32_INF_BITS  # round(lo) == target; answer in (lo, hi]
+
+    def differs(bits: int) -> bool:
+        value = torch.tensor([bits], dtype=torch.int32).view(torch.float32)
+        return not bool(torch.equal(fmt.round_f32(value), target))
+
+    if not differs(hi):
+        return math.nan
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if differs(mid) else (mid, hi)
+    return float(torch.tensor([hi], dtype=torch.int32).view(torch.float32))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QuantConfig
-from .fake_quant import FakeQuantResult, dequantize_codes, fake_quantize, fake_quantize_current
+from .fake_quant import FakeQuantResult, dequantize_codes, fake_quantize, fake_quantize_current, saturated_mask
 from .formats import get_format
 from .scaling import AmaxScaler
 
@@ -136,6 +136,12 @@ class HiF8Linear(nn.Linear):
         result = fake_quantize(x, scaler.scale, scaler.max_val, self.format, want_codes=want_codes, noise=noise, fused=fused)
         return result, scaler.scale.clone()  # a snapshot: the buffer moves on at the step boundary
 
+    def _passes_gradient(self, x: torch.Tensor, scale: torch.Tensor, scaler: AmaxScaler) -> torch.Tensor | None:
+        """``ste="clipped"``: False where the element was clipped (same definition as the counters)."""
+        if self.quant.ste != "clipped":
+            return None
+        return ~saturated_mask(x, scale, scaler.max_val, self.format)
+
     def _quantize_input(self, x: torch.Tensor):
         """-> (x for the matmul, codes or None, scale or None, clipped-mask or None)."""
         record = self.training
@@ -147,7 +153,7 @@ class HiF8Linear(nn.Linear):
         result, scale = self._fake_quantize(x, self.input_scaler, want_codes)
         if record:
             self.input_scaler.observe(result.amax, result.clipped, x.numel())
-        mask = (x.float() * scale).abs() <= self.input_scaler.max_val if self.quant.ste == "clipped" else None
+        mask = self._passes_gradient(x, scale, self.input_scaler)
         return result.dequantized, result.codes, scale, mask
 
     def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype):
@@ -163,7 +169,7 @@ class HiF8Linear(nn.Linear):
             w = weight.detach().to(dtype)
             if self.quantize_weights:
                 result, scale = self._fake_quantize(w, scaler, want_codes=True)
-                mask = (w.float() * scale).abs() <= scaler.max_val if self.quant.ste == "clipped" else None
+                mask = self._passes_gradient(w, scale, scaler)
                 entry = (result.codes, scale.clone(), mask, (result.amax, result.clipped))
             else:
                 entry = (w, None, None, (w.abs().amax(), None))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any, Literal, Optional
 
 import lightning as L
@@ -36,6 +37,7 @@ from .scaling import AmaxScaler, all_scalers, sync_step_amax
 log = logging.getLogger(__name__)
 
 
+SAMPLES_DIR = "benchmark_samples"  # per-example benchmark records, in the logger's directory
 CHECKPOINT_KEY = "qat_app"  # our entry in Lightning checkpoints (marks a QATModule checkpoint)
 CHECKPOINT_FORMAT = 1
 
@@ -244,20 +246,39 @@ class QATModule(L.LightningModule):
 
     test_step = validation_step
 
-    def _benchmark_task_names(self) -> list[str]:
+    def _benchmark_datamodule(self):
+        """The BenchmarkDataModule in use: the datamodule itself (validate) or its ``benchmarks`` (fit)."""
         datamodule = self.trainer.datamodule if self.trainer is not None else None
-        names = getattr(datamodule, "task_names", None) or getattr(getattr(datamodule, "benchmarks", None), "task_names", None)
+        return getattr(datamodule, "benchmarks", None) or datamodule
+
+    def _benchmark_task_names(self) -> list[str]:
+        names = getattr(self._benchmark_datamodule(), "task_names", None)
         if not names:
             raise ValueError("benchmark batches arrived but the datamodule names no benchmark tasks")
         return list(names)
 
     def _log_benchmarks(self, prefix: str) -> None:
+        """Log the benchmark metrics and write every example's record to
+        ``<log_dir>/benchmark_samples/<prefix>_step<global_step>.jsonl`` (rank 0; all ranks' examples)."""
         if self.evaluator is None:
             return
-        results = self.evaluator.compute()
+        from .scoring import record_rows, write_records
+
+        results, records = self.evaluator.compute_with_records()
         for key, value in results.items():
             self.log(f"{prefix}/{key}", value, add_dataloader_idx=False, sync_dist=False)
         self.evaluator.reset()
+        log_dir = self.trainer.log_dir if self.trainer is not None else None  # a broadcast: on every rank
+        if not records or log_dir is None or not self.trainer.is_global_zero:
+            return
+        datamodule = self._benchmark_datamodule()
+        rows = []
+        for task, task_records in records.items():
+            examples = datamodule.examples(task) if hasattr(datamodule, "examples") else None
+            rows += record_rows(task, task_records, examples, self.global_step)
+        path = os.path.join(log_dir, SAMPLES_DIR, f"{prefix}_step{self.global_step:07d}.jsonl")
+        write_records(path, rows)
+        log.info("benchmark records of %d examples written to %s", len(rows), path)
 
     def on_validation_epoch_end(self) -> None:
         self._log_benchmarks("val")

@@ -15,10 +15,20 @@ Scale: s = max_val / a_hat / 2^margin. A zero, NaN or inf a_hat never yields a s
 scale is kept (1.0 before any valid observation), as TransformerEngine does. A step whose amax is
 NaN/inf, or in which the tensor was not seen, is not pushed into the history.
 Before the first recorded step a delayed scaler has no estimate, so it falls back to current
-scaling for that step (the BF16 warmup normally fills the history first).
+scaling (the BF16 warmup normally fills the history first); it keeps doing so until a step with a
+valid amax is recorded (a step in which the tensor was not seen records nothing).
+
+Telemetry, counted only for quantized forwards (the BF16 warmup observes amax but clips nothing):
+clipped elements (the clamp changed the quantized value, see :mod:`qat_app.fake_quant`), quantized
+elements, saturation events (steps with >= 1 clipped element on any data-parallel rank), quantized
+steps, and the *headroom* a_hat / amax of each quantized step (< 1: the estimate was below the true
+max; clipping needs a headroom below max_val / saturation_threshold, about 0.968 for HiF8 at 15) with
+its minimum over the run.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -66,6 +76,11 @@ class AmaxScaler(nn.Module):
         self.register_buffer("total_clipped", torch.zeros((), **i64))
         self.register_buffer("total_numel", torch.zeros((), **i64))
         self.register_buffer("saturation_events", torch.zeros((), **i64))  # steps with >= 1 clipped element
+        self.register_buffer("quantized_steps", torch.zeros((), **i64))
+        self.register_buffer("last_headroom", torch.full((), math.inf, **f32))  # a_hat / amax of the last step
+        self.register_buffer("min_headroom", torch.full((), math.inf, **f32))
+        # 1.0 when any data-parallel rank clipped this step (set by sync_step_amax; not checkpointed)
+        self.register_buffer("step_clipped_anywhere", torch.zeros((), **f32), persistent=False)
         # Host-side mirrors of device state, so the hot path branches without a sync.
         self.has_history = False
         self.version = 0  # bumped whenever the scale may change (keys the weight cache)
@@ -80,12 +95,16 @@ class AmaxScaler(nn.Module):
 
     @torch.no_grad()
     def observe(self, amax: torch.Tensor, clipped: torch.Tensor | None, numel: int) -> None:
-        """Record one forward of the tensor (device ops only)."""
+        """Record one forward of the tensor (device ops only).
+
+        ``clipped`` is None when the tensor was not quantized (warmup, switched off): its amax enters
+        the history, its elements are not counted as quantized.
+        """
         torch.maximum(self.step_amax, amax.float(), out=self.step_amax)
         self.step_seen.fill_(1.0)
         if clipped is not None:
             self.step_clipped.add_(clipped)
-        self.step_numel.add_(numel)
+            self.step_numel.add_(numel)
         self.observed_this_step = True
 
     @torch.no_grad()
@@ -107,17 +126,26 @@ class AmaxScaler(nn.Module):
         history = torch.where(valid, pushed, self.amax_history)
         self.amax_history.copy_(history)
         self.last_amax.copy_(amax)
-        self.last_a_hat.copy_(amax if self.algo == "current" else self.a_hat)
+        # the estimate this step was quantized with: its own amax under current scaling
+        self.last_a_hat.copy_(amax if self.uses_current_scaling else self.a_hat)
         self.last_clipped.copy_(self.step_clipped)
         self.last_numel.copy_(self.step_numel)
         self.total_clipped.add_(self.step_clipped)
         self.total_numel.add_(self.step_numel)
-        self.saturation_events.add_((self.step_clipped > 0).long())
+        quantized = self.step_numel > 0
+        self.saturation_events.add_(((self.step_clipped > 0) | (self.step_clipped_anywhere > 0)).long())
+        self.quantized_steps.add_(quantized.long())
+        headroom = torch.where(quantized & valid & (amax > 0), self.last_a_hat / amax, math.inf)
+        self.last_headroom.copy_(headroom)
+        torch.minimum(self.min_headroom, headroom, out=self.min_headroom)
         self.a_hat.copy_(torch.where(valid, self._estimate(history, amax, first), self.a_hat))
         self.steps_recorded.add_(valid.long())
         self.scale.copy_(compute_scale(self.a_hat, self.max_val, self.margin, self.scale))
         self.discard_step()
-        self.has_history = True
+        if not self.has_history:
+            # delayed scaling starts with the first *recorded* step (a step that saw no valid amax
+            # leaves the scale at its initial 1.0): one sync per step, only until that happens
+            self.has_history = bool(self.steps_recorded > 0)
         self.version += 1
 
     @torch.no_grad()
@@ -127,6 +155,7 @@ class AmaxScaler(nn.Module):
         self.step_seen.zero_()
         self.step_clipped.zero_()
         self.step_numel.zero_()
+        self.step_clipped_anywhere.zero_()
         self.observed_this_step = False
 
     @torch.no_grad()
@@ -147,7 +176,12 @@ class AmaxScaler(nn.Module):
         self.scale.copy_(compute_scale(self.a_hat, self.max_val, self.margin, self.scale))
         self.version += 1
 
+    # buffers added after checkpoints were first written: (name, value for a run that predates them)
+    _LATER_BUFFERS = (("quantized_steps", 0), ("last_headroom", math.inf), ("min_headroom", math.inf))
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name, default in self._LATER_BUFFERS:  # older checkpoints keep loading
+            state_dict.setdefault(prefix + name, torch.full_like(getattr(self, name), default))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # one sync at load time (not per step) to restore the host-side mirror
         if self.steps_recorded.device.type != "meta":
@@ -167,7 +201,7 @@ def _data_parallel(group=None) -> bool:
 def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor | None = None) -> torch.Tensor | None:
     """Make every data-parallel rank hold the same step amax: one MAX all-reduce on one flat buffer.
 
-    The buffer holds ``[step_amax, step_seen]`` of every scaler (and, when given, the rank's
+    The buffer holds ``[step_amax, step_seen, step_clipped > 0]`` of every scaler (and, when given, the rank's
     ``bad_step`` flag, 1.0 where its loss/gradient was non-finite). NaN is mapped to +inf first (a
     MAX reduction may drop NaN); inf then marks the step invalid on every rank alike, so every rank
     pushes the same value (or nothing) into its history and computes the same scale.
@@ -177,12 +211,13 @@ def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor
     (``bad_step`` itself on one process), or None when no flag was given.
 
     Uses ``torch.distributed`` on ``group`` (default: the world group, which DDP and FSDP both use);
-    a no-op without an initialised process group of more than one rank. Saturation counters
-    (clipped / seen elements) stay per rank: the loggers report rank 0's.
+    a no-op without an initialised process group of more than one rank. The third entry makes a
+    saturation event (a step that clipped on any rank) count alike on every rank; the element counts
+    (clipped / quantized) stay per rank and are summed when logged (:func:`sum_over_ranks`).
     """
     if not _data_parallel(group):
         return bad_step
-    parts = [torch.stack([s.step_amax, s.step_seen]) for s in scalers]
+    parts = [torch.stack([s.step_amax, s.step_seen, (s.step_clipped > 0).float()]) for s in scalers]
     if bad_step is not None:
         device = scalers[0].step_amax.device if scalers else bad_step.device
         parts.append(bad_step.detach().float().reshape(1).to(device))
@@ -192,11 +227,26 @@ def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor
     flat = torch.nan_to_num(flat, nan=float("inf"), posinf=float("inf"))
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     for i, scaler in enumerate(scalers):
-        scaler.step_amax.copy_(flat[2 * i])
-        scaler.step_seen.copy_(flat[2 * i + 1])
+        scaler.step_amax.copy_(flat[3 * i])
+        scaler.step_seen.copy_(flat[3 * i + 1])
+        scaler.step_clipped_anywhere.copy_(flat[3 * i + 2])
     if bad_step is None:
         return None
     return flat[-1].to(bad_step.device) > 0
+
+
+@torch.no_grad()
+def sum_over_ranks(values: torch.Tensor, group=None) -> torch.Tensor:
+    """``values`` summed over the data-parallel ranks (one SUM all-reduce; itself on one process).
+
+    For the saturation counters (clipped, quantized elements), at logging time, never per forward.
+    float64 so element counts stay exact far beyond 2^24.
+    """
+    if not _data_parallel(group):
+        return values
+    total = values.detach().double().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
 
 
 def advance_all(scalers: list[AmaxScaler], group=None) -> None:

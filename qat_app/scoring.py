@@ -34,6 +34,8 @@ from qat_app.data.benchmarks import MMLU_CATEGORIES, MMLU_SUBJECT_CATEGORIES, MM
 
 # Rows of vocabulary-sized log-softmax evaluated at once: bounds the temporary to ~100 MB at 49k vocab.
 _LOGSOFTMAX_CHUNK_ROWS = 512
+# Width of the per-example log-likelihood state (a fixed width so ranks can concatenate it).
+MAX_RECORDED_CHOICES = 8
 
 
 class MultipleChoiceMetric(Metric):
@@ -55,6 +57,11 @@ class MultipleChoiceMetric(Metric):
         self.add_state("correct", default=[], dist_reduce_fx="cat")
         self.add_state("correct_norm", default=[], dist_reduce_fx="cat")
         self.add_state("subject_ids", default=[], dist_reduce_fx="cat")
+        # per-example records (lm-eval's --log_samples): gold, both predictions, every choice's loglik
+        self.add_state("gold", default=[], dist_reduce_fx="cat")
+        self.add_state("pred", default=[], dist_reduce_fx="cat")
+        self.add_state("pred_norm", default=[], dist_reduce_fx="cat")
+        self.add_state("loglik", default=[], dist_reduce_fx="cat")
 
     def update(
         self,
@@ -62,13 +69,28 @@ class MultipleChoiceMetric(Metric):
         correct: torch.Tensor,
         correct_norm: torch.Tensor,
         subject_ids: torch.Tensor | None = None,
+        scored: "ScoredBatch | None" = None,
+        gold: torch.Tensor | None = None,
     ) -> None:
         self.example_ids.append(example_ids.long())
         self.correct.append(correct.float())
         self.correct_norm.append(correct_norm.float())
         self.subject_ids.append(torch.zeros_like(example_ids) if subject_ids is None else subject_ids.long())
+        if scored is not None and gold is not None:
+            width = scored.loglik.shape[1]
+            if width > MAX_RECORDED_CHOICES:
+                raise ValueError(f"{width} choices per example; per-example records hold at most {MAX_RECORDED_CHOICES}")
+            loglik = torch.full((scored.loglik.shape[0], MAX_RECORDED_CHOICES), float("-inf"),
+                                device=scored.loglik.device)
+            loglik[:, :width] = scored.loglik.float()
+            self.gold.append(gold.long())
+            self.pred.append(scored.pred.long())
+            self.pred_norm.append(scored.pred_norm.long())
+            self.loglik.append(loglik)
 
     def compute(self) -> dict[str, torch.Tensor]:
+        """Aggregates, plus ``records``: per distinct example (sorted by id) its id, gold, predictions,
+        correctness and log-likelihoods, when they were given to :meth:`update`."""
         example_ids = dim_zero_cat(self.example_ids)
         first = first_occurrences(example_ids)
         correct = dim_zero_cat(self.correct)[first]
@@ -78,6 +100,12 @@ class MultipleChoiceMetric(Metric):
             "acc_norm": correct_norm.mean(),
             "count": torch.tensor(float(first.numel()), device=correct.device),
         }
+        if len(self.gold) > 0:  # a list of batches, or one tensor once synced across ranks
+            result["records"] = {
+                "example_id": example_ids[first], "gold": dim_zero_cat(self.gold)[first],
+                "pred": dim_zero_cat(self.pred)[first], "pred_norm": dim_zero_cat(self.pred_norm)[first],
+                "acc": correct, "acc_norm": correct_norm, "loglik": dim_zero_cat(self.loglik)[first],
+            }
         if self.num_subjects:
             subjects = dim_zero_cat(self.subject_ids)[first]
             result["subject_count"] = torch.bincount(subjects, minlength=self.num_subjects).float()
@@ -267,13 +295,19 @@ class BenchmarkEvaluator(nn.Module):
         if task not in self.metrics:
             raise ValueError(f"batch of task {task!r}, but this evaluator tracks {self.task_names}")
         scored = score_batch(model, batch)
-        self.metrics[task].update(batch["example_id"], scored.correct, scored.correct_norm, batch["subject_index"])
+        self.metrics[task].update(batch["example_id"], scored.correct, scored.correct_norm, batch["subject_index"],
+                                  scored=scored, gold=batch["gold"])
 
     def compute(self) -> dict[str, torch.Tensor]:
         """``<task>/acc``, ``<task>/acc_norm``, ``<task>/count``; for MMLU also ``mmlu/<subject>/acc`` and
         lm-eval's category groups ``mmlu_<category>/acc`` (both weighted by size). Tasks without any
         update since the last reset are left out."""
+        return self.compute_with_records()[0]
+
+    def compute_with_records(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """:meth:`compute` and, per task, the per-example records of all ranks (each example once)."""
         results: dict[str, torch.Tensor] = {}
+        records: dict[str, dict[str, torch.Tensor]] = {}
         for task, metric in self.metrics.items():
             if metric.update_count == 0:
                 continue
@@ -282,7 +316,9 @@ class BenchmarkEvaluator(nn.Module):
                 results[f"{task}/{name}"] = values[name]
             if task == "mmlu":
                 results.update(_mmlu_breakdown(values))
-        return results
+            if "records" in values:
+                records[task] = values["records"]
+        return results, records
 
     def reset(self) -> None:
         for metric in self.metrics.values():
@@ -303,6 +339,44 @@ def _mmlu_breakdown(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
         if total > 0:
             results[f"mmlu_{category}/acc"] = correct[members].sum() / total
     return results
+
+
+def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list | None, step: int) -> list[dict]:
+    """JSON-ready rows, one per example: task, doc_id (the doc's index in its split, as lm-eval's samples
+    count it; for MMLU within its subject), subject, gold, per-choice log-likelihoods, both predictions
+    and whether each is correct. ``examples``: the datamodule's rendered examples, by example id."""
+    columns = {key: value.cpu().tolist() for key, value in records.items()}
+    rows = []
+    for i, example_id in enumerate(columns["example_id"]):
+        example = examples[example_id] if examples is not None else None
+        choices = len(example.choices) if example is not None else MAX_RECORDED_CHOICES
+        rows.append({
+            "task": task,
+            "doc_id": example.doc_index if example is not None else example_id,
+            "subject": example.subject if example is not None else None,
+            "example_id": example_id,
+            "gold": columns["gold"][i],
+            "loglik": [v for v in columns["loglik"][i][:choices] if v != float("-inf")],
+            "pred": columns["pred"][i],
+            "pred_norm": columns["pred_norm"][i],
+            "acc": int(columns["acc"][i]),
+            "acc_norm": int(columns["acc_norm"][i]),
+            "step": step,
+        })
+    return rows
+
+
+def write_records(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
+    """One JSON object per line, written to a temporary file and renamed (never a half-written file)."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
 
 
 def move_batch(batch: Mapping[str, Any], device: torch.device | str) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import sys
 import torch
 
 from .fake_quant import FakeQuantResult
+from .formats import saturation_threshold
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = int(os.environ.get("QAT_APP_TRITON_BLOCK", "4096"))
@@ -144,7 +145,7 @@ def fake_quantize_triton(
     interpret = _interpret()
     _kernel(interpret)[(triton_cdiv(n, BLOCK),)](
         xc, out, codes, None if noise is None else noise.contiguous(), scale, table, acc,
-        n, max_val32,
+        n, max_val32, saturation_threshold("hif8", max_val32),
         BLOCK=BLOCK, WANT_CODES=want_codes, HAS_NOISE=noise is not None, INT64=n + BLOCK >= 2**31,
         OVERFLOW=not max_val32 < HIF8_OVERFLOW, CORRECTIONS=CORRECTIONS, INTERPRET=interpret,
         num_warps=NUM_WARPS,

@@ -48,3 +48,52 @@ def sync_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     finally:
         dist.all_reduce = real_all_reduce
         dist.destroy_process_group()
+
+
+def saturation_counts_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Each rank runs a HiF8Linear on its half of one global batch (with planted outliers) for two
+    optimizer steps; the saturation callback's gather sums the counts over the ranks."""
+    from callbacks.saturation import COUNT_FIELDS, FIELDS, TOTAL_COUNT_FIELDS, TOTAL_FIELDS, gather, named_scalers
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = saturation_model()
+        per_step = []
+        for step in range(2):
+            batch = saturation_batch(step)
+            model(batch.chunk(world)[rank])
+            sync_step_amax([s for _, s in named_scalers(model)])
+            for _, scaler in named_scalers(model):
+                scaler.advance()
+            per_step.append(gather(named_scalers(model), FIELDS, COUNT_FIELDS))
+        totals = gather(named_scalers(model), TOTAL_FIELDS, TOTAL_COUNT_FIELDS)
+        torch.save({"per_step": per_step, "totals": totals}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def saturation_model():
+    """A model whose quantized layer clips: max window of 2 seeded with a small amax."""
+    from torch import nn
+
+    from qat_app.config import QuantConfig
+    from qat_app.linear import HiF8Linear
+
+    torch.manual_seed(0)
+    layer = HiF8Linear(16, 8, bias=False, quant=QuantConfig(amax_algo="max", history_len=2, fused="off"))
+    with torch.no_grad():
+        layer.weight[0, 0] = 0.9  # the weight's own amax: grows at the step below
+    for scaler in layer.scalers():
+        scaler.observe(torch.tensor(0.5), None, 1)
+        scaler.advance()
+    model = nn.Sequential()
+    model.add_module("model", nn.Sequential())
+    model.model.add_module("proj", layer)
+    return model
+
+
+def saturation_batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(8, 16, generator=g) * 0.2
+    x[1, 3], x[6, 2], x[7, 0] = 3.0, -2.0, 0.55  # outliers on both halves of the batch
+    return x

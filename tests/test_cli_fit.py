@@ -57,7 +57,7 @@ def write_config(tmp_path, model_dir, corpus, **overrides) -> str:
         node = config
         *parents, leaf = key.split(".")
         for p in parents:
-            node = node[p]
+            node = node.setdefault(p, {})
         node[leaf] = value
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -45,7 +45,7 @@ def test_sync_step_amax_two_processes(tmp_path):
     assert all(torch.isfinite(s[k]).all() for s in r0["state"] for k in ("amax_history", "a_hat", "scale"))
     assert float(s0["last_amax"]) == float("inf")  # the NaN step is reported as inf (on both ranks), not recorded
     assert (r0["bad1"], r0["bad2"], r0["bad3"]) == (r1["bad1"], r1["bad2"], r1["bad3"]) == (False, False, True)
-    assert r0["calls"] == r1["calls"] == [7, 7, 7]  # one collective per step on one flat buffer (3 x 2 + flag)
+    assert r0["calls"] == r1["calls"] == [10, 10, 10]  # one collective per step on one flat buffer (3 x 3 + flag)
 
 
 # ----------------------------------------------------------------------------- DDP fit via main.py
@@ -148,3 +148,27 @@ def test_ddp_resume_restores_every_rank(ddp_run, tmp_path, tiny_model_dir, tiny_
         assert got["records"] == expected  # same batches and bit-identical losses on each rank
         for key, value in want["scalers"].items():
             assert torch.equal(value, got["scalers"][key]), key
+
+
+def test_saturation_counts_are_summed_over_ranks(tmp_path):
+    """2 gloo processes, each with half of the batch, report what one process reports on all of it."""
+    from callbacks.saturation import COUNT_FIELDS, FIELDS, TOTAL_COUNT_FIELDS, TOTAL_FIELDS, gather, named_scalers
+    from qat_app.scaling import sync_step_amax
+    from tests._dist_workers import saturation_batch, saturation_counts_worker, saturation_model
+
+    mp.spawn(saturation_counts_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    model = saturation_model()
+    per_step = []
+    for step in range(2):
+        model(saturation_batch(step))
+        sync_step_amax([s for _, s in named_scalers(model)])
+        for _, scaler in named_scalers(model):
+            scaler.advance()
+        per_step.append(gather(named_scalers(model), FIELDS, COUNT_FIELDS))
+    totals = gather(named_scalers(model), TOTAL_FIELDS, TOTAL_COUNT_FIELDS)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert got["per_step"] == per_step and got["totals"] == totals
+    clipped_input, clipped_weight = totals[0][6], totals[1][6]
+    assert clipped_input > 0 and clipped_weight > 0  # both tensors clipped: the test is not vacuous
+    assert totals[0][7] == 2 * 8 * 16  # every input element of both steps, counted once

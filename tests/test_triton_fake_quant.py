@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 import triton.language as tl  # noqa: E402
 
 from qat_app import fake_quant  # noqa: E402
-from qat_app.fake_quant import _fake_quantize  # noqa: E402
+from qat_app.fake_quant import fake_quantize  # noqa: E402
 from qat_app.formats import HIF8_TABLE, hif8_encode  # noqa: E402
 from qat_app import triton_fake_quant as tfq  # noqa: E402
 from qat_app.triton_fake_quant import fake_quantize_triton, supports, triton_available  # noqa: E402
@@ -30,6 +30,11 @@ def device(request, monkeypatch):
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return request.param
+
+
+def reference(x, scale, max_val, want_codes, noise):
+    """The plain-torch reference path."""
+    return fake_quantize(x, scale, max_val, "hif8", want_codes=want_codes, noise=noise, fused="off")
 
 
 def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -92,7 +97,7 @@ def test_matches_reference_bit_for_bit(device, dtype, n, scale, max_val):
     x = nasty_tensor(n, dtype, scale, max_val, seed=n).to(device)
     s = torch.tensor(scale, device=device)
     ours = fake_quantize_triton(x, s, max_val, want_codes=True)
-    ref = _fake_quantize(x, s, max_val, "hif8", True, None)
+    ref = reference(x, s, max_val, True, None)
     assert_same_result(ours, ref)
     assert ours.dequantized.device == x.device and ours.codes.device == x.device
 
@@ -108,7 +113,7 @@ def test_output_cast_rounds_ties_to_even(device, dtype, tie_bit):
         assert ties.all(), "test precondition: q / scale is the exact tie"
         x = q.to(dtype).to(device)  # x * s rounds back to q on the HiF8 grid
         ours = fake_quantize_triton(x, s.to(device), 15.0)
-        ref = _fake_quantize(x, s.to(device), 15.0, "hif8", False, None)
+        ref = reference(x, s.to(device), 15.0, False, None)
         assert_same_bits(ours.dequantized, ref.dequantized)
 
 
@@ -117,7 +122,7 @@ def test_amax_and_clipped_without_nan(device, dtype):
     x = nasty_tensor(20_000, dtype, 0.5, 15.0, seed=1, specials=False).to(device)
     s = torch.tensor(0.5, device=device)
     ours = fake_quantize_triton(x, s, 15.0)
-    ref = _fake_quantize(x, s, 15.0, "hif8", False, None)
+    ref = reference(x, s, 15.0, False, None)
     assert ours.codes is None
     assert_same_result(ours, ref)
     assert torch.isfinite(ours.amax) and ours.amax.item() == x.float().abs().max().item()
@@ -165,7 +170,7 @@ def test_dense_sweep_rounding_and_codes(device):
     x = _dense_sweep().to(device)
     s = torch.tensor(1.0, device=device)
     ours = fake_quantize_triton(x, s, 1e38, want_codes=True)
-    ref = _fake_quantize(x, s, 1e38, "hif8", True, None)
+    ref = reference(x, s, 1e38, True, None)
     assert_same_result(ours, ref)
     torch.testing.assert_close(ours.codes.cpu(), hif8_encode(x.cpu()), rtol=0, atol=0)
 
@@ -177,7 +182,7 @@ def test_stochastic_rounding_noise(device, dtype):
     gen = torch.Generator().manual_seed(3)
     noise = torch.randint(0, 1 << 23, x.shape, dtype=torch.int32, generator=gen).to(device)
     ours = fake_quantize_triton(x, s, 15.0, want_codes=True, noise=noise)
-    ref = _fake_quantize(x, s, 15.0, "hif8", True, noise)
+    ref = reference(x, s, 15.0, True, noise)
     assert_same_result(ours, ref)
 
 
@@ -186,7 +191,7 @@ def test_shapes_and_non_contiguous_input(device):
     x = base.t()  # non-contiguous (70, 64)
     s = torch.tensor(1.3, device=device)
     ours = fake_quantize_triton(x, s, 15.0, want_codes=True)
-    ref = _fake_quantize(x, s, 15.0, "hif8", True, None)
+    ref = reference(x, s, 15.0, True, None)
     assert ours.dequantized.shape == x.shape and ours.codes.shape == x.shape
     assert_same_bits(ours.dequantized, ref.dequantized.contiguous())
     torch.testing.assert_close(ours.codes, ref.codes, rtol=0, atol=0)
@@ -248,7 +253,7 @@ def test_fake_quantize_uses_triton_only_for_cuda_hif8(monkeypatch):
         assert fake_quant._triton_kernel_for(xc, sc, "hif8", None, "on") is None
         monkeypatch.delenv("QAT_APP_NO_TRITON")
         ours = fake_quant.fake_quantize(xc, sc, 15.0, want_codes=True, fused="on")
-        assert_same_result(ours, _fake_quantize(xc, sc, 15.0, "hif8", True, None))
+        assert_same_result(ours, reference(xc, sc, 15.0, True, None))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter has no fused multiply-add")

@@ -1,0 +1,131 @@
+"""RunSummaryCallback: what a finished fit measured, where it wrote, and what to run next, in one block.
+
+A run otherwise ends in pages of Lightning output, with the numbers that matter spread over metrics.csv,
+saturation_summary.json and the config. At the end of fit, on global rank 0, this prints (stdout) and saves
+(``run_summary.txt`` in the log directory):
+  train loss (last step); val loss and perplexity;
+  per benchmark task acc and acc_norm with lm-eval's standard error sqrt(p (1 - p) / (n - 1)), and n;
+  saturation totals (from AmaxSaturationCallback's summary file, or its ``summary()`` if it has none yet);
+  the log and checkpoint locations; the report and export commands for this run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from .saturation import AmaxSaturationCallback
+
+log = logging.getLogger(__name__)
+
+
+def stderr(p: float, n: float) -> float:
+    """lm-eval's sample standard error of a mean accuracy over n examples (nan for n < 2)."""
+    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
+
+
+def _show(path: str | None) -> str:
+    """A path relative to the working directory when it is inside it (shorter, and what the user typed)."""
+    if not path:
+        return "-"
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+class RunSummaryCallback(L.Callback):
+    """Args:
+        enabled: print and save the summary at the end of fit.
+        baseline: the matched BF16 baseline run directory, filled into the printed report command.
+        export_dir: where the printed export command writes (``<export_dir>/<run name>``).
+        file_name: name of the copy saved in the log directory (None: not saved).
+    """
+
+    def __init__(self, enabled: bool = True, baseline: str | None = None, export_dir: str = "exports",
+                 file_name: str | None = "run_summary.txt") -> None:
+        self.enabled, self.baseline, self.export_dir, self.file_name = enabled, baseline, export_dir, file_name
+        self.text: str | None = None  # the last summary (tests, programmatic use)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled:
+            return
+        log_dir = trainer.log_dir  # a collective (broadcast): on every rank
+        sat, sat_file = self.saturation(trainer, pl_module)  # may be a collective too
+        if not trainer.is_global_zero:
+            return
+        self.text = self.render(trainer, log_dir, sat, sat_file)
+        print(self.text, flush=True)
+        if self.file_name and log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            path = os.path.join(log_dir, self.file_name)
+            with open(path, "w") as f:
+                f.write(self.text + "\n")
+            log.info("run summary saved to %s", path)
+
+    def saturation(self, trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[dict | None, str | None]:
+        """The saturation totals (on rank 0) and the file they came from.
+
+        AmaxSaturationCallback writes its file in its own ``on_fit_end`` (rank 0): read it when that hook ran
+        before this one (the CLI adds it first), else compute the same totals with its ``summary()``, a
+        collective, so the choice depends only on the callback order, the same on every rank."""
+        order = list(trainer.callbacks)
+        sat = next((c for c in order if isinstance(c, AmaxSaturationCallback)), None)
+        if sat is None:
+            return None, None
+        if sat.summary_file and order.index(sat) < next(i for i, c in enumerate(order) if c is self):
+            if not (trainer.is_global_zero and sat.summary_path and os.path.exists(sat.summary_path)):
+                return None, None
+            with open(sat.summary_path) as f:
+                return json.load(f), sat.summary_path
+        return sat.summary(pl_module), None
+
+    def render(self, trainer: L.Trainer, log_dir: str | None, sat: dict | None, sat_file: str | None) -> str:
+        m = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        lines = [f"=== run summary: {trainer.global_step} of {trainer.max_steps} optimizer steps ==="]
+        if "train/loss" in m:
+            lines.append(f"train loss    {m['train/loss']:.4f} (last step)")
+        if "val/loss" in m:
+            ppl = f"   perplexity {m['val/ppl']:.2f}" if "val/ppl" in m else ""
+            lines.append(f"val loss      {m['val/loss']:.4f}{ppl}")
+        else:
+            lines.append("val loss      - (no validation ran)")
+        for key in sorted(k for k in m if k.startswith("val/") and k.endswith("/count")):
+            task, n = key[len("val/"):-len("/count")], m[key]
+            scores = [f"{name} {m[f'val/{task}/{name}']:.4f} +- {stderr(m[f'val/{task}/{name}'], n):.4f}"
+                      for name in ("acc", "acc_norm") if f"val/{task}/{name}" in m]
+            lines.append(f"{task:<13} {'   '.join(scores)}   n={int(n)}")
+        unquantized = sat is not None and not sat.get("quantized_tensors")
+        if sat and not unquantized:
+            lines.append(f"saturation    {sat['clipped']} of {sat['seen']:.3g} quantized elements clipped "
+                         f"({sat['clipped_frac']:.1e}), {sat['saturation_events']} saturation events"
+                         + (f" [{_show(sat_file)}]" if sat_file else ""))
+            if sat.get("min_headroom") is not None:
+                first = sat.get("first_clipped_step")
+                lines.append(f"              min headroom (a_hat / amax) {sat['min_headroom']:.3f}; "
+                             + (f"first clipped at step {first}" if first is not None else "nothing clipped"))
+        else:
+            lines.append("saturation    - " + ("(no quantized layers: an unquantized run)" if unquantized else "(no totals)"))
+        lines.append(f"logs          {_show(log_dir)}")
+        checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+        last = None
+        if checkpoint is not None:
+            last = checkpoint.last_model_path or checkpoint.best_model_path or None
+            lines.append(f"checkpoints   {_show(checkpoint.dirpath)}" + (f" (last: {_show(last)})" if last else ""))
+        else:
+            lines.append("checkpoints   - (no ModelCheckpoint configured)")
+        root = trainer.default_root_dir
+        run_dir = root if log_dir and os.path.abspath(log_dir).startswith(os.path.abspath(root) + os.sep) else log_dir
+        run_dir = _show(run_dir)
+        lines.append("next:")
+        if not unquantized:
+            lines.append(f"  report      python main.py report --baseline {self.baseline or '<bf16 baseline run>'} --qat {run_dir}")
+            name = os.path.basename(os.path.normpath(run_dir)) if run_dir != "-" else "run"
+            lines.append(f"  export      python -m qat_app.export --ckpt {_show(last) if last else '<checkpoint>'} "
+                         f"--out {os.path.join(self.export_dir, name)}")
+        else:
+            lines.append(f"  report      python main.py report --baseline {run_dir} --qat <QAT run>")
+        return "\n".join(lines)
