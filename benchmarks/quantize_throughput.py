@@ -24,7 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qat_app.fake_quant import _dispatch, _fake_quantize, dequantize_codes, fake_quantize  # noqa: E402
+from qat_app.hif8.backends.compiled import CompiledBackend  # noqa: E402
+from qat_app.hif8.fake_quant import dequantize_codes, fake_quantize  # noqa: E402
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -66,14 +67,15 @@ def main() -> None:
         runs.append(("fused+codes", lambda: fake_quantize(x, scale, 15.0, want_codes=True, fused="on")))
         runs.append(("decode", lambda: dequantize_codes(codes, scale, "hif8", dtype, fused="on")))
         if args.triton and device == "cuda":
-            from qat_app.triton_fake_quant import fake_quantize_triton, supports
+            from qat_app.hif8.backends.triton import fake_quantize_triton, supports
 
             if supports("hif8", x, scale):
                 runs.append(("triton", lambda: fake_quantize_triton(x, scale, 15.0)))
                 runs.append(("triton+codes", lambda: fake_quantize_triton(x, scale, 15.0, want_codes=True)))
             else:
                 print("  (triton not available: pip install triton)")
-            runs.append(("inductor", lambda: _dispatch(_fake_quantize, "on", x, scale, 15.0, 15.5, "hif8", False, None)))
+            inductor = CompiledBackend(required=True)
+            runs.append(("inductor", lambda: inductor.quantize(x, scale, 15.0, 15.5, "hif8", False, None)))
         for label, fn in runs:
             t = timed(fn, device, args.repeats)
             print(f"{str(dtype)[6:]:>9} {label:>12} {t:9.4f} {args.numel / t / 1e9:9.2f} {t / base:8.2f}")

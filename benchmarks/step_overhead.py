@@ -31,8 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from qat_app.config import QuantConfig  # noqa: E402
-from qat_app.patch import quantize_model, set_quantization  # noqa: E402
-from qat_app.scaling import advance_all, all_scalers  # noqa: E402
+from qat_app.config import quantize_model  # noqa: E402
+from qat_app.hif8.patch import set_quantization  # noqa: E402
+from qat_app.hif8.scaling import advance_all, all_scalers  # noqa: E402
 
 
 def build_model(args) -> torch.nn.Module:
@@ -132,7 +133,7 @@ def child(args) -> None:
     if args.fused != "off":
         # Load the compiler runtime in both children, so its code (~100-200 MB of RSS, a fixed cost of
         # the process, not of training) is not counted as QAT memory.
-        from qat_app.fake_quant import fake_quantize
+        from qat_app.hif8.fake_quant import fake_quantize
 
         fake_quantize(torch.ones(64), torch.tensor(1.0), 15.0, fused=args.fused)
     model = build_model(args)

@@ -13,7 +13,7 @@ import logging
 
 import lightning as L
 
-from qat_app.patch import quantized_linears
+from qat_app.hif8.patch import quantized_linears
 
 log = logging.getLogger(__name__)
 

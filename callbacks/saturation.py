@@ -9,7 +9,7 @@ every Lightning logger:
   sat/<layer>.<tensor>/clipped_frac            per layer and tensor (input, weight, grad)
   amax/<layer>.<tensor>, a_hat/<layer>.<tensor> true amax vs the estimate it was quantized with
 (per-layer keys every ``log_every_n_steps``; a_hat only once the tensor is quantized). "Clipped"
-means the clamp changed the quantized value (:mod:`qat_app.fake_quant`); fractions are of the
+means the clamp changed the quantized value (:mod:`qat_app.hif8.fake_quant`); fractions are of the
 elements of quantized forwards only (the BF16 warmup quantizes nothing). At the end of fit it writes
 ``saturation_summary.json`` (run totals, per tensor and overall) into the logger's directory.
 """
@@ -25,8 +25,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from qat_app.patch import quantized_linears
-from qat_app.scaling import sum_over_ranks
+from qat_app.hif8.patch import quantized_linears
+from qat_app.hif8.scaling import sum_over_ranks
 
 log = logging.getLogger(__name__)
 # per step: (amax, a_hat, headroom) are identical on every rank; the element counts are summed

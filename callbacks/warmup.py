@@ -15,7 +15,7 @@ import logging
 import lightning as L
 
 from qat_app.errors import ConfigError
-from qat_app.patch import quantized_linears, set_quantization
+from qat_app.hif8.patch import quantized_linears, set_quantization
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,10 @@
-"""QuantConfig: one validated dataclass holding every quantization choice (each field is a CLI flag)."""
+"""QuantConfig: every quantization choice as one flat dataclass, so each field is a CLI flag.
+
+It is the command line's view of the core's three frozen configs (:mod:`qat_app.hif8.recipe`):
+``recipe`` (numerics), ``selection`` (which layers) and ``runtime`` (backend, saved activations,
+initial switches), plus ``enabled`` (false: the matched BF16 baseline). Validation is theirs; a bad
+value is reported as ``quant.<field>: ...``.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +12,17 @@ from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
 from .errors import ConfigError
-from .formats import FORMATS, get_format
-
-AMAX_ALGOS = ("most_recent", "exp_smooth", "max", "current")
-STE_MODES = ("identity", "clipped")
-
-# MLP projections of Llama/Qwen2/Mistral/OpenPangu (gate/up/down), GPT-2 (c_fc/c_proj inside .mlp),
-# OPT/Phi (fc1/fc2), GPT-NeoX (dense_h_to_4h/dense_4h_to_h). Matched against the module's full name.
-DEFAULT_MODULE_PATTERN = r"\.mlp\.(gate_proj|up_proj|down_proj|c_fc|c_proj|fc1|fc2|dense_h_to_4h|dense_4h_to_h)$"
-# The decoder-block index inside a module name: model.layers.7.mlp..., transformer.h.7.mlp..., blocks.7...
-DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\."
+from .hif8.errors import FieldError
+from .hif8.formats import get_format
+from .hif8.recipe import (  # noqa: F401  (AMAX_ALGOS, STE_MODES: part of this module's interface)
+    AMAX_ALGOS,
+    DEFAULT_BLOCK_PATTERN,
+    DEFAULT_MODULE_PATTERN,
+    STE_MODES,
+    HiF8Recipe,
+    LayerSelection,
+    RuntimeOptions,
+)
 
 
 class QuantConfigError(ConfigError):
@@ -76,42 +83,36 @@ class QuantConfig:
         self.validate()
 
     def validate(self) -> None:
-        import re
+        try:
+            self.recipe, self.selection, self.runtime  # noqa: B018  (built to validate)
+        except FieldError as err:
+            raise as_quant_config_error(err) from None
 
-        def fail(field_name: str, msg: str) -> None:
-            raise QuantConfigError(f"quant.{field_name}: {msg}")
+    @property
+    def recipe(self) -> HiF8Recipe:
+        return HiF8Recipe(self.format, self.amax_algo, self.history_len, self.alpha, self.max_val, self.margin,
+                          self.ste, self.quantize_grads, self.grad_max_val, self.grad_stochastic_rounding)
 
-        if self.format not in FORMATS:
-            fail("format", f"unknown format {self.format!r}; allowed: {', '.join(sorted(FORMATS))}")
-        if self.amax_algo not in AMAX_ALGOS:
-            fail("amax_algo", f"unknown algorithm {self.amax_algo!r}; allowed: {', '.join(AMAX_ALGOS)}")
-        if not isinstance(self.history_len, int) or self.history_len < 1:
-            fail("history_len", f"must be an integer >= 1, got {self.history_len!r}")
-        if not (0.0 < self.alpha <= 1.0):
-            fail("alpha", f"must be in (0, 1], got {self.alpha!r}")
-        if self.max_val is not None:
-            limit = get_format(self.format).max_finite
-            if not (0.0 < self.max_val <= limit):
-                fail("max_val", f"must be in (0, {limit:g}] for {self.format}, got {self.max_val!r}")
-        if not (0.0 <= self.margin < 64):
-            fail("margin", f"must be in [0, 64), got {self.margin!r}")
-        if not isinstance(self.high_precision_layers, int) or self.high_precision_layers < 0:
-            fail("high_precision_layers", f"must be an integer >= 0, got {self.high_precision_layers!r}")
-        if self.ste not in STE_MODES:
-            fail("ste", f"unknown mode {self.ste!r}; allowed: {', '.join(STE_MODES)}")
-        if self.fused not in ("auto", "on", "off"):
-            fail("fused", f"unknown value {self.fused!r}; allowed: auto, on, off")
-        if not (0.0 < self.grad_max_val <= get_format(self.format).max_finite):
-            fail("grad_max_val", f"must be in (0, {get_format(self.format).max_finite:g}], got {self.grad_max_val!r}")
-        if self.grad_stochastic_rounding and self.quantize_grads and not get_format(self.format).supports_stochastic:
-            fail("grad_stochastic_rounding", f"stochastic rounding is only implemented for hif8, not {self.format}")
-        for name in ("module_pattern", "block_pattern"):
-            try:
-                compiled = re.compile(getattr(self, name))
-            except re.error as err:
-                fail(name, f"not a valid regular expression: {err}")
-            if name == "block_pattern" and compiled.groups < 1:
-                fail(name, "needs one capturing group for the block index")
+    @property
+    def selection(self) -> LayerSelection:
+        return LayerSelection(self.module_pattern, self.block_pattern, self.high_precision_layers)
+
+    @property
+    def runtime(self) -> RuntimeOptions:
+        return RuntimeOptions(self.fused, self.save_8bit_activations, self.quantize_weights, self.quantize_activations)
+
+    @classmethod
+    def from_layer_options(cls, recipe: HiF8Recipe, runtime: RuntimeOptions) -> "QuantConfig":
+        """The flat settings of a layer built with ``recipe`` and ``runtime`` (selection fields at their defaults)."""
+        return cls(**asdict(recipe), **asdict(runtime))
+
+    def layer_options(self) -> dict:
+        """``recipe`` and ``runtime``: the keyword arguments of ``HiF8Linear`` / ``HiF8Linear.from_linear``."""
+        return {"recipe": self.recipe, "runtime": self.runtime}
+
+    def parts(self) -> dict:
+        """``recipe``, ``selection`` and ``runtime``, as keyword arguments of ``convert_to_hif8_training``."""
+        return {"recipe": self.recipe, "selection": self.selection, "runtime": self.runtime}
 
     @property
     def resolved_max_val(self) -> float:
@@ -119,3 +120,18 @@ class QuantConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def as_quant_config_error(err: FieldError) -> QuantConfigError:
+    """A core setting error as the command line names it: ``quant.<field>: ...``."""
+    return QuantConfigError(f"quant.{err.field}{err.sep}{err.message}")
+
+
+def quantize_model(model, quant: QuantConfig):
+    """The core's ``convert_to_hif8_training`` with the command line's settings; its errors named ``quant.*``."""
+    from .hif8.patch import convert_to_hif8_training
+
+    try:
+        return convert_to_hif8_training(model, **quant.parts())
+    except FieldError as err:
+        raise as_quant_config_error(err) from None

@@ -72,11 +72,11 @@ from torch import nn
 
 from .config import QuantConfig
 from .errors import CheckpointError, QATError
-from .fake_quant import dequantize_codes, fake_quantize, fake_quantize_current
-from .linear import HiF8Linear
+from .hif8.fake_quant import dequantize_codes, fake_quantize, fake_quantize_current
+from .hif8.linear import HiF8Linear
 from .models import resolve_dtype
-from .patch import _set_submodule, dequantize_model, quantized_linears, select_modules
-from .scaling import AmaxScaler
+from .hif8.patch import _set_submodule, dequantize_model, quantized_linears
+from .hif8.scaling import AmaxScaler
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +120,12 @@ def _unwrap(module_or_model) -> tuple[nn.Module, Any, dict]:
 
 
 def _quant_of(model: nn.Module, layers: list[tuple[str, HiF8Linear]]) -> QuantConfig:
-    quant = layers[0][1].quant
+    """The layers' common recipe and runtime options, as the flat QuantConfig the layout records."""
+    first = layers[0][1]
     for name, layer in layers[1:]:
-        if layer.quant.to_dict() != quant.to_dict():
-            raise ExportError(f"layer {name} has a different QuantConfig than {layers[0][0]}: mixed configs are not supported")
-    return quant
+        if (layer.recipe, layer.runtime) != (first.recipe, first.runtime):
+            raise ExportError(f"layer {name} has a different recipe than {layers[0][0]}: mixed recipes are not supported")
+    return QuantConfig.from_layer_options(first.recipe, first.runtime)
 
 
 def _scaler_pairs(layer: HiF8Linear) -> list[tuple[str, AmaxScaler]]:
@@ -301,7 +302,7 @@ def export_hif8(
     for name, layer in layers:
         layer_dtype = cdtype or layer.weight.dtype
         record: dict[str, Any] = {
-            "format": layer.quant.format,
+            "format": layer.recipe.format,
             "shape": list(layer.weight.shape),
             "source_type": layer.source_type,
             "weight_dtype": _dtype_name(layer.weight.dtype),
@@ -313,7 +314,7 @@ def export_hif8(
         layer_keys.add(f"{name}._extra_state")
         if layer.quantize_weights:
             codes, scale, dequantized = quantize_weight(layer, layer_dtype)
-            check = dequantize_codes(codes, scale, layer.quant.format, layer_dtype)
+            check = dequantize_codes(codes, scale, layer.recipe.format, layer_dtype)
             if not _same(check, dequantized):  # cannot happen: decode is exact; guards format changes
                 raise ExportError(f"{name}: decode(codes)/scale does not reproduce the fake-quantized weight")
             add(f"{name}.weight.codes", codes, ROLE_CODES, layer.weight)
@@ -485,18 +486,17 @@ def load_hif8(
     except (TypeError, ValueError) as err:
         raise ExportError(f"{layout_path}: invalid quant settings: {err}") from None
 
-    # patch with the saved QuantConfig; it must select exactly the exported layers
-    selected, _, _ = select_modules(model, quant)
-    names = [n for n, _ in selected]
+    # patch exactly the layers the layout lists, with the saved recipe
     recorded = list(layout["quantized_layers"])
-    if sorted(names) != sorted(recorded):
+    modules = dict(model.named_modules())
+    missing = [name for name in recorded if name not in modules]
+    if missing:
         raise ExportError(
-            f"{layout_path} does not match the model built from config.json: the saved QuantConfig selects "
-            f"{len(names)} layers, the layout lists {len(recorded)} "
-            f"(only selected: {sorted(set(names) - set(recorded))[:3]}, only listed: {sorted(set(recorded) - set(names))[:3]})"
+            f"{layout_path} does not match the model built from config.json: {len(missing)} of the "
+            f"{len(recorded)} quantized layers it lists are not in the model (e.g. {missing[:3]})"
         )
-    for name, module in selected:
-        _set_submodule(model, name, HiF8ExportedLinear.from_linear(module, quant))
+    for name in recorded:
+        _set_submodule(model, name, HiF8ExportedLinear.from_linear(modules[name], **quant.layer_options()))
 
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -596,7 +596,7 @@ def export_hf(
             for _, layer in layers:
                 if layer.quantize_weights:
                     codes, scale, _ = quantize_weight(layer, cdtype or layer.weight.dtype)
-                    layer.weight.copy_(dequantize_codes(codes, scale, layer.quant.format, layer.weight.dtype))
+                    layer.weight.copy_(dequantize_codes(codes, scale, layer.recipe.format, layer.weight.dtype))
     count = dequantize_model(plain)
     if dtype is not None:
         plain.to(resolve_dtype(dtype))
@@ -610,7 +610,7 @@ def export_hf(
             "source": info.get("model_name"),
             "dequantized_layers": count,
             "weights": weights,
-            "quant": layers[0][1].quant.to_dict() if layers else None,
+            "quant": _quant_of(plain, layers).to_dict() if layers else None,
         }, indent=1))
     log.info("HF export: %d HiF8 linears replaced by plain ones (%s weights) in %s", count, weights, out_dir)
     return Path(out_dir)

@@ -3,7 +3,7 @@
 Per optimizer step (``on_before_optimizer_step``, after the last micro-batch's backward):
   1. the gradient norm is computed and, with a flag of whether any micro-batch loss of the step was
      non-finite, reduced across data-parallel ranks together with the step amax of every scaler (one
-     MAX all-reduce on one flat buffer, :func:`qat_app.scaling.sync_step_amax`), so all ranks take the
+     MAX all-reduce on one flat buffer, :func:`qat_app.hif8.scaling.sync_step_amax`), so all ranks take the
      same decision and hold the same histories;
   2. a non-finite loss or gradient (on any rank, in any micro-batch of the step) skips the step: every
      grad is dropped, so AdamW leaves weights and moments alone, and the amax observations of the step
@@ -31,8 +31,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from .config import QuantConfig, QuantConfigError
 from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
-from .patch import QuantReport, quantize_model, quantized_linears
-from .scaling import AmaxScaler, all_scalers, sync_step_amax
+from .config import quantize_model
+from .hif8.patch import QuantReport, quantized_linears
+from .hif8.scaling import AmaxScaler, all_scalers, sync_step_amax
 
 log = logging.getLogger(__name__)
 

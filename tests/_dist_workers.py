@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from qat_app.scaling import AmaxScaler, sync_step_amax
+from qat_app.hif8.scaling import AmaxScaler, sync_step_amax
 
 
 def sync_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -77,10 +77,10 @@ def saturation_model():
     from torch import nn
 
     from qat_app.config import QuantConfig
-    from qat_app.linear import HiF8Linear
+    from qat_app.hif8.linear import HiF8Linear
 
     torch.manual_seed(0)
-    layer = HiF8Linear(16, 8, bias=False, quant=QuantConfig(amax_algo="max", history_len=2, fused="off"))
+    layer = HiF8Linear(16, 8, bias=False, **QuantConfig(amax_algo="max", history_len=2, fused="off").layer_options())
     with torch.no_grad():
         layer.weight[0, 0] = 0.9  # the weight's own amax: grows at the step below
     for scaler in layer.scalers():

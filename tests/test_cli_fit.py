@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import main as cli
-from qat_app.patch import quantized_linears
+from qat_app.hif8.patch import quantized_linears
 
 WARMUP, STEPS, HISTORY = 3, 6, 5
 

@@ -20,8 +20,9 @@ from qat_app.export import (
     load_qat_checkpoint,
     main as export_main,
 )
-from qat_app.patch import quantize_model, quantized_linears
-from qat_app.scaling import all_scalers
+from qat_app.config import quantize_model
+from qat_app.hif8.patch import quantized_linears
+from qat_app.hif8.scaling import all_scalers
 
 
 def tiny_qat(dtype=torch.bfloat16, steps=2, tie=True, amax_algo="max", seed=0, **quant_kwargs):
@@ -231,9 +232,9 @@ def test_truncated_and_mismatched_files(tmp_path):
     (out / LAYOUT_FILE).write_text(json.dumps(bad))
     with pytest.raises(ExportError, match=f"{LAYOUT_FILE} does not match"):
         load_hif8(out)
-    # a layout whose QuantConfig selects other layers
+    # a layout listing a quantized layer the model built from config.json does not have
     bad = json.loads(json.dumps(layout))
-    bad["quant"]["high_precision_layers"] = 0
+    bad["quantized_layers"][0] = "model.layers.9.mlp.up_proj"
     (out / LAYOUT_FILE).write_text(json.dumps(bad))
     with pytest.raises(ExportError, match=f"{LAYOUT_FILE} does not match the model"):
         load_hif8(out)

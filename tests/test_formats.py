@@ -5,7 +5,7 @@ import pytest
 import torch
 
 en_dtypes = pytest.importorskip("en_dtypes")
-from qat_app.formats import (  # noqa: E402
+from qat_app.hif8.formats import (  # noqa: E402
     HIF8_TABLE, get_format, hif8_decode, hif8_encode, hif8_round, hif8_round_f32,
 )
 
@@ -40,7 +40,7 @@ def test_all_256_codes_decode_and_round_trip():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_decode_of_all_codes_matches_the_reference(dtype):
     """The fused decode (backward reads the 8-bit saved tensors through it) over every code and scale bit."""
-    from qat_app.fake_quant import dequantize_codes
+    from qat_app.hif8.fake_quant import dequantize_codes
 
     codes = np.arange(256, dtype=np.uint8).repeat(3)  # a length the vector loop does not divide
     scale = torch.tensor(0.75)

@@ -6,15 +6,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from qat_app.config import QuantConfig
-from qat_app.fake_quant import fake_quantize
-from qat_app.formats import hif8_round_f32
-from qat_app.linear import HiF8Linear
+from qat_app.hif8.fake_quant import fake_quantize
+from qat_app.hif8.formats import hif8_round_f32
+from qat_app.hif8.linear import HiF8Linear
 
 
 def make_layer(seed=0, bias=True, **quant):
     torch.manual_seed(seed)
     plain = nn.Linear(32, 16, bias=bias)
-    layer = HiF8Linear.from_linear(plain, QuantConfig(**{"fused": "off", **quant}))
+    layer = HiF8Linear.from_linear(plain, **QuantConfig(**{"fused": "off", **quant}).layer_options())
     return plain, layer
 
 

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from qat_app.config import QuantConfig
 from qat_app.export import export_hif8, load_hif8
-from qat_app.patch import quantize_model
-from qat_app.scaling import all_scalers
+from qat_app.config import quantize_model
+from qat_app.hif8.scaling import all_scalers
 
 lm_eval_hf = pytest.importorskip("lm_eval.models.huggingface", reason="lm-eval (requirements-bench.txt) is not installed")
 from lm_eval.api.instance import Instance  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 
 import main as cli
 from qat_app.module import NonFiniteStepError
-from qat_app.patch import quantized_linears
+from qat_app.hif8.patch import quantized_linears
 from tests.test_cli_fit import write_config
 
 STEPS, WARMUP = 6, 2

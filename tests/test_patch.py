@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from qat_app.config import QuantConfig, QuantConfigError
-from qat_app.linear import HiF8Linear
-from qat_app.patch import dequantize_model, quantize_model, quantized_block_range, set_quantization
+from qat_app.hif8.linear import HiF8Linear
+from qat_app.config import quantize_model
+from qat_app.hif8.patch import dequantize_model, quantized_block_range, set_quantization
 
 
 def test_openpangu_layout_on_meta_device():

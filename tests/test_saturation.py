@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from qat_app.config import QuantConfig
-from qat_app.fake_quant import compute_scale, fake_quantize, fake_quantize_current
-from qat_app.formats import saturation_threshold
-from qat_app.linear import HiF8Linear
-from qat_app.scaling import AmaxScaler
+from qat_app.hif8.fake_quant import compute_scale, fake_quantize, fake_quantize_current
+from qat_app.hif8.formats import saturation_threshold
+from qat_app.hif8.linear import HiF8Linear
+from qat_app.hif8.scaling import AmaxScaler
 
 en_dtypes = pytest.importorskip("en_dtypes")
 
@@ -45,7 +45,7 @@ def backends():
 
 def run_backend(kind: str, x: torch.Tensor, scale: torch.Tensor):
     if kind == "triton":
-        from qat_app.triton_fake_quant import fake_quantize_triton
+        from qat_app.hif8.backends.triton import fake_quantize_triton
 
         return fake_quantize_triton(x, scale, 15.0, want_codes=False)
     return fake_quantize(x, scale, 15.0, "hif8", fused=kind)
@@ -60,7 +60,7 @@ def test_threshold_is_the_rounding_midpoint_derived_from_the_format():
     for name, max_val in (("hif8", 15.0), ("hif8", 3.3), ("e4m3", 15.0), ("e5m2", 100.0)):
         t = saturation_threshold(name, max_val)
         below = torch.tensor([t], dtype=torch.float32).view(torch.int32).sub(1).view(torch.float32)
-        from qat_app.formats import get_format
+        from qat_app.hif8.formats import get_format
 
         fmt = get_format(name)
         bound = torch.tensor([max_val], dtype=torch.float32)
@@ -110,7 +110,7 @@ def test_planted_outliers_count_equals_the_elements_the_clamp_changed(kind, env,
 
 
 def test_clipped_ste_mask_uses_the_same_definition():
-    layer = HiF8Linear(4, 2, bias=False, quant=QuantConfig(ste="clipped", amax_algo="max", history_len=2))
+    layer = HiF8Linear(4, 2, bias=False, **QuantConfig(ste="clipped", amax_algo="max", history_len=2).layer_options())
     layer.input_scaler.observe(torch.tensor(2.0), None, 1)
     layer.input_scaler.advance()  # a_hat 2 -> scale 7.5: clipped from |x| >= 15.5 / 7.5
     boundary = float(torch.tensor(15.5 / 7.5, dtype=torch.float32))
@@ -126,7 +126,7 @@ def test_scaler_without_a_recorded_step_keeps_current_scaling_and_resumes_alike(
     scaler = AmaxScaler("max", history_len=4)
     scaler.advance()  # the tensor was not seen
     assert int(scaler.steps_recorded) == 0 and scaler.uses_current_scaling
-    layer = HiF8Linear(64, 1, bias=False, quant=QuantConfig(history_len=4))
+    layer = HiF8Linear(64, 1, bias=False, **QuantConfig(history_len=4).layer_options())
     layer.input_scaler.advance()
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)) * 100
     layer(x)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from qat_app.config import QuantConfig
-from qat_app.linear import HiF8Linear
-from qat_app.patch import quantize_model
+from qat_app.hif8.linear import HiF8Linear
+from qat_app.config import quantize_model
 
 HIGH_PRECISION = 2
 
@@ -39,7 +39,7 @@ def nbytes(tensors) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_keeps_its_input_as_one_byte_codes(dtype):
-    layer = HiF8Linear(64, 128, quant=QuantConfig(fused="off")).to(dtype)
+    layer = HiF8Linear(64, 128, **QuantConfig(fused="off").layer_options()).to(dtype)
     x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):

@@ -12,11 +12,11 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton) -- the Triton kernel is untested")
 import triton.language as tl  # noqa: E402
 
-from qat_app import fake_quant  # noqa: E402
-from qat_app.fake_quant import fake_quantize  # noqa: E402
-from qat_app.formats import HIF8_TABLE, hif8_encode  # noqa: E402
-from qat_app import triton_fake_quant as tfq  # noqa: E402
-from qat_app.triton_fake_quant import fake_quantize_triton, supports, triton_available  # noqa: E402
+from qat_app.hif8 import fake_quant  # noqa: E402
+from qat_app.hif8.fake_quant import fake_quantize  # noqa: E402
+from qat_app.hif8.formats import HIF8_TABLE, hif8_encode  # noqa: E402
+from qat_app.hif8.backends import triton as tfq  # noqa: E402
+from qat_app.hif8.backends.triton import fake_quantize_triton, supports, triton_available  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -200,7 +200,7 @@ def test_shapes_and_non_contiguous_input(device):
 def test_round_table_matches_hif8_round_f32():
     """(bits + half) & mask with the kernel's table rows == formats.hif8_round_f32, on every sign and
     exponent row: all rounding boundaries of the finest quantum (+-1 ulp) plus random mantissas."""
-    from qat_app.formats import hif8_round_f32
+    from qat_app.hif8.formats import hif8_round_f32
 
     gen = torch.Generator().manual_seed(5)
     boundaries = (torch.arange(17) << 19).repeat_interleave(3) + torch.tensor([-1, 0, 1]).repeat(17)
@@ -237,23 +237,21 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 def test_fake_quantize_uses_triton_only_for_cuda_hif8(monkeypatch):
-    """The dispatch in fake_quantize: CPU tensors (even under the interpreter) keep the torch path."""
+    """The backend resolution: CPU tensors (even under the interpreter) keep the torch path."""
+    from qat_app.hif8.backends import resolve
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    x = torch.randn(100)
-    s = torch.tensor(1.0)
-    assert fake_quant._triton_kernel_for(x, s, "hif8", None, "auto") is None  # CPU: torch.compile as before
+    assert resolve("auto", "cpu", "hif8").name == "compiled"  # CPU: torch.compile as before
+    assert resolve("off", "cpu", "hif8").name == "reference"
+    assert resolve("auto", "cpu", "hif8") is resolve("auto", "cpu", "hif8")  # resolved once, cached
     if torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET")
-        xc, sc = x.cuda(), s.cuda()
-        assert fake_quant._triton_kernel_for(xc, sc, "hif8", None, "auto") is tfq.fake_quantize_triton
-        assert fake_quant._triton_kernel_for(xc, sc, "hif8", None, "off") is None
-        assert fake_quant._triton_kernel_for(xc, sc, "e4m3", None, "on") is None
-        assert fake_quant._triton_kernel_for(xc, sc, "hif8", torch.zeros(100, dtype=torch.int32).cuda(), "on") is None
-        monkeypatch.setenv("QAT_APP_NO_TRITON", "1")
-        assert fake_quant._triton_kernel_for(xc, sc, "hif8", None, "on") is None
-        monkeypatch.delenv("QAT_APP_NO_TRITON")
-        ours = fake_quant.fake_quantize(xc, sc, 15.0, want_codes=True, fused="on")
-        assert_same_result(ours, reference(xc, sc, 15.0, True, None))
+        x, s = torch.randn(100).cuda(), torch.tensor(1.0).cuda()
+        assert resolve("auto", "cuda", "hif8").name == "triton"
+        assert resolve("off", "cuda", "hif8").name == "reference"
+        assert resolve("on", "cuda", "e4m3").name == "compiled"
+        ours = fake_quant.fake_quantize(x, s, 15.0, want_codes=True, fused="on")
+        assert_same_result(ours, reference(x, s, 15.0, True, None))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter has no fused multiply-add")

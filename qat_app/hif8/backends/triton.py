@@ -1,7 +1,7 @@
 """Single-pass Triton kernel for delayed-scaling HiF8 fake quantization.
 
 Same contract and the same numbers, bit for bit, as the plain-torch reference
-``qat_app.fake_quant._fake_quantize`` for ``fmt="hif8"``: one read of ``x``, one write of the
+``backends.reference.fake_quantize`` for ``fmt="hif8"``: one read of ``x``, one write of the
 dequantized tensor (and one uint8 write of the codes when asked), with the amax and the clipped count
 reduced per program and combined across programs with one atomic each. Two launches in all: the
 memset of the 16-byte accumulator and the kernel.
@@ -9,7 +9,7 @@ memset of the 16-byte accumulator and the kernel.
 Per element, on float32: ``scaled = x * scale`` -> clamp to +-max_val (NaN stays NaN) -> HiF8
 round (``formats.hif8_round_f32``: to nearest, ties away; stochastic when ``noise`` is given) ->
 ``q / scale`` correctly rounded like torch's IEEE division -> cast to the input dtype (round to
-nearest even). How each step is made cheap and still exact is described in ``_triton_hif8_kernel.py``
+nearest even). How each step is made cheap and still exact is described in ``_triton_kernel.py``
 (the kernel is compute-bound if written like the reference): a 512-row table turns the rounding into
 ``(bits + half) & mask``, a 4096-entry table gives the codes, and the division is a reciprocal plus
 one Markstein FMA correction (exact; Triton's ``/`` and ``tl.fdiv(..., ieee_rounding=True)`` lower
@@ -36,8 +36,8 @@ import sys
 
 import torch
 
-from .fake_quant import FakeQuantResult
-from .formats import saturation_threshold
+from ..formats import HIF8_OVERFLOW, saturation_threshold
+from .base import FakeQuantResult
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = int(os.environ.get("QAT_APP_TRITON_BLOCK", "4096"))
@@ -46,7 +46,6 @@ NUM_WARPS = int(os.environ.get("QAT_APP_TRITON_WARPS", "4"))
 # HiF8 value times every float32 scale mantissa, scale exponents -60..59 (0 mismatches; the result
 # only depends on the mantissas while nothing under/overflows). 2 is the conservative choice.
 CORRECTIONS = int(os.environ.get("QAT_APP_TRITON_CORRECTIONS", "1"))
-HIF8_OVERFLOW = 40960.0  # |x| >= this rounds to inf (formats.HIF8_OVERFLOW)
 
 
 def _interpret() -> bool:
@@ -92,11 +91,11 @@ def supports(fmt: str, x: torch.Tensor, scale: torch.Tensor | None = None, noise
 
 @functools.lru_cache(maxsize=None)
 def _kernel(interpret: bool):
-    """The jitted kernel, built on first use: ``_triton_hif8_kernel.py`` loaded as its own module per
+    """The jitted kernel, built on first use: ``_triton_kernel.py`` loaded as its own module per
     mode, since triton reads TRITON_INTERPRET when it decorates (an interpreted and a compiled kernel
     can then live in one process, e.g. the CPU and CUDA tests in one pytest run)."""
-    name = f"qat_app._triton_hif8_kernel_{'interpreted' if interpret else 'compiled'}"
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_hif8_kernel.py")
+    name = f"qat_app.hif8.backends._triton_kernel_{'interpreted' if interpret else 'compiled'}"
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_kernel.py")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -186,7 +185,7 @@ def _round_table_rows() -> list[int]:
 
 def _code_table() -> torch.Tensor:
     """uint8 HiF8 code of every on-grid float32 by its top 12 bits (sign, exponent, 3 mantissa bits)."""
-    from .formats import hif8_encode
+    from ..formats import hif8_encode
 
     values = (torch.arange(4096, dtype=torch.int64) << 20).to(torch.int32).view(torch.float32)
     return hif8_encode(values)
@@ -212,3 +211,36 @@ def triton_cdiv(a: int, b: int) -> int:
 def _as_f32(value) -> float:
     """The float32 value torch's clamp/compare use for a Python scalar bound (inf if out of range)."""
     return float(torch.tensor(float(value), dtype=torch.float32))
+
+
+class TritonBackend:
+    """HiF8 delayed scaling on CUDA (or under TRITON_INTERPRET=1) in the Triton kernel; everything the
+    kernel does not cover (current scaling, stochastic rounding, decoding, unsupported dtypes) and a
+    kernel that fails to build ("auto") go to ``fallback`` (the compiled backend). Same numbers."""
+
+    name = "triton"
+
+    def __init__(self, fallback, required: bool = False) -> None:
+        self.fallback = fallback
+        self.required = required
+        self.broken = False
+
+    def quantize(self, x, scale, max_val, clip_threshold, fmt_name, want_codes, noise) -> FakeQuantResult:
+        if not self.broken and noise is None and supports(fmt_name, x, scale):
+            try:
+                return fake_quantize_triton(x, scale, float(max_val), want_codes, check=False)
+            except Exception as err:  # e.g. no compiler for this GPU: fall back, same numbers
+                if self.required:
+                    raise
+                self.broken = True
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "the Triton fake-quant kernel failed (%s); using torch.compile / plain torch", err)
+        return self.fallback.quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise)
+
+    def quantize_current(self, *args):
+        return self.fallback.quantize_current(*args)
+
+    def dequantize(self, *args):
+        return self.fallback.dequantize(*args)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .config import QuantConfig, QuantConfigError
+from .errors import SelectionError
 from .linear import HiF8Linear
+from .recipe import HiF8Recipe, LayerSelection, RuntimeOptions
 
 
 @dataclass
@@ -57,19 +58,23 @@ def count_blocks(model: nn.Module, block_pattern: str) -> int:
 def quantized_block_range(num_blocks: int, high_precision_layers: int) -> range:
     """Blocks that get quantized: all but the first ceil(k/2) and the last floor(k/2)."""
     if high_precision_layers > num_blocks:
-        raise QuantConfigError(
-            f"quant.high_precision_layers: {high_precision_layers} is larger than the model's {num_blocks} blocks"
+        raise SelectionError(
+            "high_precision_layers", f"{high_precision_layers} is larger than the model's {num_blocks} blocks"
         )
     first = math.ceil(high_precision_layers / 2)
     last = num_blocks - high_precision_layers // 2
     return range(first, last)
 
 
-def select_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tuple[str, nn.Module]], int, range]:
-    module_regex = re.compile(quant.module_pattern)
-    block_regex = re.compile(quant.block_pattern)
-    num_blocks = count_blocks(model, quant.block_pattern)
-    blocks = quantized_block_range(num_blocks, quant.high_precision_layers)
+def select_modules(model: nn.Module, selection: LayerSelection) -> tuple[list[tuple[str, nn.Module]], int, range]:
+    """-> (the (name, linear) pairs to quantize, the number of blocks, the quantized block range)."""
+    block_regex = re.compile(selection.block_pattern)
+    num_blocks = count_blocks(model, selection.block_pattern)
+    if selection.filter_fn is not None:
+        chosen = [(name, m) for name, m in model.named_modules() if _is_linear(m) and selection.filter_fn(m, name)]
+        return chosen, num_blocks, range(num_blocks)
+    module_regex = re.compile(selection.module_pattern)
+    blocks = quantized_block_range(num_blocks, selection.high_precision_layers)
     matched, selected = [], []
     for name, module in model.named_modules():
         if not (_is_linear(module) and module_regex.search(name)):
@@ -80,9 +85,9 @@ def select_modules(model: nn.Module, quant: QuantConfig) -> tuple[list[tuple[str
             selected.append((name, module))
     if not matched:
         linears = [n for n, m in model.named_modules() if _is_linear(m)][:8]
-        raise QuantConfigError(
-            f"quant.module_pattern {quant.module_pattern!r} matches no linear layer of "
-            f"{type(model).__name__}; linear layers look like: {linears}"
+        raise SelectionError(
+            "module_pattern", f"{selection.module_pattern!r} matches no linear layer of {type(model).__name__}; "
+            f"linear layers look like: {linears}", sep=" ",
         )
     return selected, num_blocks, blocks
 
@@ -93,19 +98,32 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def quantize_model(model: nn.Module, quant: QuantConfig) -> QuantReport:
-    """Swap the selected linears for HiF8Linear in place (parameters are shared, not copied)."""
+def convert_to_hif8_training(
+    model: nn.Module,
+    recipe: HiF8Recipe | None = None,
+    selection: LayerSelection | None = None,
+    runtime: RuntimeOptions | None = None,
+) -> QuantReport:
+    """Swap the selected linears for HiF8Linear in place (parameters are shared, not copied).
+
+    Defaults: the paper's recipe (``max`` window of 64 steps, HiF8, max_val 15) on the MLP projections of
+    all but the 5 boundary blocks. Afterwards call :func:`qat_app.hif8.training.optimizer_step_done` once
+    per optimizer step (and :func:`~qat_app.hif8.training.end_warmup` at the end of a BF16 warmup).
+    """
+    recipe, selection, runtime = recipe or HiF8Recipe(), selection or LayerSelection(), runtime or RuntimeOptions()
     if any(isinstance(m, HiF8Linear) for m in model.modules()):
         raise ValueError("model is already quantized; call dequantize_model first")
-    selected, num_blocks, blocks = select_modules(model, quant)
+    selected, num_blocks, blocks = select_modules(model, selection)
     report = QuantReport(num_blocks=num_blocks, quantized_blocks=[])
     seen_blocks = set()
-    block_regex = re.compile(quant.block_pattern)
+    block_regex = re.compile(selection.block_pattern)
     for name, module in selected:
-        _set_submodule(model, name, HiF8Linear.from_linear(module, quant))
+        _set_submodule(model, name, HiF8Linear.from_linear(module, recipe, runtime))
         report.modules.append(name)
         report.num_params += module.weight.numel()
-        seen_blocks.add(int(block_regex.search(name).group(1)))
+        block = block_regex.search(name + ".")
+        if block is not None:
+            seen_blocks.add(int(block.group(1)))
     report.quantized_blocks = sorted(seen_blocks)
     return report
 

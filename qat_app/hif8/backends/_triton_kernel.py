@@ -1,6 +1,6 @@
-"""The @triton.jit kernel of ``triton_fake_quant`` (imports triton; never import this module directly).
+"""The @triton.jit kernel of ``backends.triton`` (imports triton; never import this module directly).
 
-``triton_fake_quant._kernel`` loads this file as a fresh module per mode (interpreter or compiled),
+``backends.triton._kernel`` loads this file as a fresh module per mode (interpreter or compiled),
 because triton decides at decoration time whether a function runs in the interpreter
 (TRITON_INTERPRET=1) and the interpreter runs a kernel's source against its module globals.
 

@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import QuantConfig
 from .fake_quant import FakeQuantResult, dequantize_codes, fake_quantize, fake_quantize_current, saturated_mask
 from .formats import get_format
+from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
 
 
-def _make_scaler(cfg: QuantConfig, max_val: float, device) -> AmaxScaler:
-    return AmaxScaler(cfg.amax_algo, cfg.history_len, cfg.alpha, max_val, cfg.margin, device=device)
+def _make_scaler(recipe: HiF8Recipe, max_val: float, device) -> AmaxScaler:
+    return AmaxScaler(recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -42,38 +42,39 @@ class HiF8Linear(nn.Linear):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        quant: QuantConfig | None = None,
+        recipe: HiF8Recipe | None = None,
+        runtime: RuntimeOptions | None = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.quant = quant if quant is not None else QuantConfig()
-        self.format = get_format(self.quant.format)
+        self.recipe = recipe = recipe if recipe is not None else HiF8Recipe()
+        self.runtime = runtime = runtime if runtime is not None else RuntimeOptions()
+        self.format = get_format(recipe.format)
         scaler_device = self.weight.device
-        self.input_scaler = _make_scaler(self.quant, self.quant.resolved_max_val, scaler_device)
-        self.weight_scaler = _make_scaler(self.quant, self.quant.resolved_max_val, scaler_device)
-        self.grad_scaler = (
-            _make_scaler(self.quant, self.quant.grad_max_val, scaler_device) if self.quant.quantize_grads else None
-        )
-        self.quantize_activations = self.quant.quantize_activations
-        self.quantize_weights = self.quant.quantize_weights
-        self.quantize_grads = self.quant.quantize_grads
+        self.input_scaler = _make_scaler(recipe, recipe.resolved_max_val, scaler_device)
+        self.weight_scaler = _make_scaler(recipe, recipe.resolved_max_val, scaler_device)
+        self.grad_scaler = _make_scaler(recipe, recipe.grad_max_val, scaler_device) if recipe.quantize_grads else None
+        self.quantize_activations = runtime.quantize_activations
+        self.quantize_weights = runtime.quantize_weights
+        self.quantize_grads = recipe.quantize_grads
         self._weight_cache: tuple | None = None
         self.source_type = "linear"  # or "conv1d" (GPT-2 style, weight stored transposed)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, quant: QuantConfig) -> "HiF8Linear":
+    def from_linear(cls, linear: nn.Module, recipe: HiF8Recipe | None = None,
+                    runtime: RuntimeOptions | None = None) -> "HiF8Linear":
         """Wrap an existing nn.Linear (or transformers' Conv1D) sharing its parameters."""
         is_conv1d = type(linear).__name__ == "Conv1D"
         weight = linear.weight
         in_features, out_features = (weight.shape[0], weight.shape[1]) if is_conv1d else (weight.shape[1], weight.shape[0])
         with torch.device("meta"):
-            new = cls(in_features, out_features, linear.bias is not None, quant=quant, dtype=weight.dtype)
+            new = cls(in_features, out_features, linear.bias is not None, recipe=recipe, runtime=runtime, dtype=weight.dtype)
         # the scalers were built on meta: rebuild them on the weight's device
         for name in ("input_scaler", "weight_scaler", "grad_scaler"):
             scaler = getattr(new, name)
             if scaler is not None:
-                setattr(new, name, _make_scaler(quant, scaler.max_val, weight.device))
+                setattr(new, name, _make_scaler(new.recipe, scaler.max_val, weight.device))
         if is_conv1d:
             new.weight = nn.Parameter(weight.detach().t().contiguous(), requires_grad=weight.requires_grad)
             new.source_type = "conv1d"
@@ -117,8 +118,8 @@ class HiF8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return (
-            f"{super().extra_repr()}, format={self.quant.format}, amax_algo={self.quant.amax_algo}, "
-            f"w={self.quantize_weights}, a={self.quantize_activations}, ste={self.quant.ste}"
+            f"{super().extra_repr()}, format={self.recipe.format}, amax_algo={self.recipe.amax_algo}, "
+            f"w={self.quantize_weights}, a={self.quantize_activations}, ste={self.recipe.ste}"
         )
 
     # ------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class HiF8Linear(nn.Linear):
         self, x: torch.Tensor, scaler: AmaxScaler, want_codes: bool, noise=None
     ) -> tuple[FakeQuantResult, torch.Tensor]:
         """-> (result, the scale used): the scaler's delayed scale, or the current one for CTS."""
-        fused = self.quant.fused
+        fused = self.runtime.fused
         if scaler.uses_current_scaling:
             result, scale = fake_quantize_current(
                 x, scaler.scale, scaler.max_val, scaler.margin, self.format, want_codes=want_codes, noise=noise, fused=fused
@@ -138,7 +139,7 @@ class HiF8Linear(nn.Linear):
 
     def _passes_gradient(self, x: torch.Tensor, scale: torch.Tensor, scaler: AmaxScaler) -> torch.Tensor | None:
         """``ste="clipped"``: False where the element was clipped (same definition as the counters)."""
-        if self.quant.ste != "clipped":
+        if self.recipe.ste != "clipped":
             return None
         return ~saturated_mask(x, scale, scaler.max_val, self.format)
 
@@ -149,7 +150,7 @@ class HiF8Linear(nn.Linear):
             if record:
                 self.input_scaler.observe(x.detach().abs().amax(), None, x.numel())
             return x, None, None, None
-        want_codes = self.quant.save_8bit_activations
+        want_codes = self.runtime.save_8bit_activations
         result, scale = self._fake_quantize(x, self.input_scaler, want_codes)
         if record:
             self.input_scaler.observe(result.amax, result.clipped, x.numel())
@@ -163,7 +164,7 @@ class HiF8Linear(nn.Linear):
         parameter changes (``_version``) or the scale does; forward and backward decode them.
         """
         scaler = self.weight_scaler
-        key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.quant.ste)
+        key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste)
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = None  # free the old codes before making new ones
             w = weight.detach().to(dtype)
@@ -187,7 +188,7 @@ class HiF8Linear(nn.Linear):
     def _dequantize(self, saved: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         if scale is None:  # not quantized: the tensor itself
             return saved
-        return dequantize_codes(saved, scale, self.format, dtype, fused=self.quant.fused)
+        return dequantize_codes(saved, scale, self.format, dtype, fused=self.runtime.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _HiF8LinearFunction.apply(x, self.weight, self.bias, self)
@@ -221,7 +222,7 @@ class _HiF8LinearFunction(torch.autograd.Function):
             module.grad_scaler.observe(g.detach().abs().amax(), None, g.numel())
         elif module.grad_scaler is not None:
             noise = None
-            if module.quant.grad_stochastic_rounding:
+            if module.recipe.grad_stochastic_rounding:
                 noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32)
             result, _ = module._fake_quantize(g, module.grad_scaler, want_codes=False, noise=noise)
             module.grad_scaler.observe(result.amax, result.clipped, g.numel())

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import AMAX_ALGOS
 from .fake_quant import compute_scale
+from .recipe import AMAX_ALGOS
 
 
 class AmaxScaler(nn.Module):

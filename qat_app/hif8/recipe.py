@@ -1,0 +1,132 @@
+"""What to quantize and how, split by concern (frozen, validated on construction, like torchao's configs).
+
+* :class:`HiF8Recipe` -- the numerics of the paper's recipe: format, a_hat estimator (``amax_algo``,
+  window ``history_len``, ``alpha``), ``max_val`` and ``margin`` of the scale, the STE, gradient
+  quantization. Two runs with the same recipe quantize alike.
+* :class:`LayerSelection` -- which linears: a name regex inside decoder blocks minus the
+  ``high_precision_layers`` boundary blocks (the paper's layout), or any ``filter_fn(module, fqn)``.
+* :class:`RuntimeOptions` -- how it runs, not what it computes: the backend (``fused``), 8-bit saved
+  activations, and the initial weight / activation switches (the BF16 warmup drives them).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+from torch import nn
+
+from .errors import RecipeError
+from .formats import FORMATS, get_format
+
+AMAX_ALGOS = ("most_recent", "exp_smooth", "max", "current")
+STE_MODES = ("identity", "clipped")
+FUSED_MODES = ("auto", "on", "off")
+
+# MLP projections of Llama/Qwen2/Mistral/OpenPangu (gate/up/down), GPT-2 (c_fc/c_proj inside .mlp),
+# OPT/Phi (fc1/fc2), GPT-NeoX (dense_h_to_4h/dense_4h_to_h). Matched against the module's full name.
+DEFAULT_MODULE_PATTERN = r"\.mlp\.(gate_proj|up_proj|down_proj|c_fc|c_proj|fc1|fc2|dense_h_to_4h|dense_4h_to_h)$"
+# The decoder-block index inside a module name: model.layers.7.mlp..., transformer.h.7.mlp..., blocks.7...
+DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\."
+
+
+def _fail(field: str, message: str) -> None:
+    raise RecipeError(field, message)
+
+
+@dataclass(frozen=True)
+class HiF8Recipe:
+    """Attributes:
+        format: 8-bit format of weights and activations: ``hif8``, ``e4m3`` or ``e5m2``.
+        amax_algo: ``most_recent`` (a_hat(t)=amax(t-1)), ``exp_smooth`` (alpha*amax(t-1)+(1-alpha)*a_hat(t-1)),
+            ``max`` (max over the last ``history_len`` steps) or ``current`` (CTS: the tensor's own amax).
+        history_len: H, the amax-history length in optimizer steps (the window of ``max``).
+        alpha: weight of the newest amax for ``exp_smooth``.
+        max_val: where a_hat is mapped to, s = max_val / a_hat; None: the format's default (HiF8: 15).
+        margin: extra headroom, s = max_val / a_hat / 2**margin (TransformerEngine's margin).
+        ste: ``identity`` (straight-through, the paper's) or ``clipped`` (zero gradient where clipped).
+        quantize_grads: also fake-quantize the output gradient in backward (own scaler).
+        grad_max_val / grad_stochastic_rounding: the gradient quantizer (224, stochastic, as in MindSpeed).
+    """
+
+    format: str = "hif8"
+    amax_algo: Literal["most_recent", "exp_smooth", "max", "current"] = "max"
+    history_len: int = 64
+    alpha: float = 0.1
+    max_val: Optional[float] = None
+    margin: float = 0.0
+    ste: Literal["identity", "clipped"] = "identity"
+    quantize_grads: bool = False
+    grad_max_val: float = 224.0
+    grad_stochastic_rounding: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            _fail("format", f"unknown format {self.format!r}; allowed: {', '.join(sorted(FORMATS))}")
+        if self.amax_algo not in AMAX_ALGOS:
+            _fail("amax_algo", f"unknown algorithm {self.amax_algo!r}; allowed: {', '.join(AMAX_ALGOS)}")
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            _fail("history_len", f"must be an integer >= 1, got {self.history_len!r}")
+        if not (0.0 < self.alpha <= 1.0):
+            _fail("alpha", f"must be in (0, 1], got {self.alpha!r}")
+        limit = get_format(self.format).max_finite
+        if self.max_val is not None and not (0.0 < self.max_val <= limit):
+            _fail("max_val", f"must be in (0, {limit:g}] for {self.format}, got {self.max_val!r}")
+        if not (0.0 <= self.margin < 64):
+            _fail("margin", f"must be in [0, 64), got {self.margin!r}")
+        if self.ste not in STE_MODES:
+            _fail("ste", f"unknown mode {self.ste!r}; allowed: {', '.join(STE_MODES)}")
+        if not (0.0 < self.grad_max_val <= limit):
+            _fail("grad_max_val", f"must be in (0, {limit:g}], got {self.grad_max_val!r}")
+        if self.grad_stochastic_rounding and self.quantize_grads and not get_format(self.format).supports_stochastic:
+            _fail("grad_stochastic_rounding", f"stochastic rounding is only implemented for hif8, not {self.format}")
+
+    @property
+    def resolved_max_val(self) -> float:
+        return self.max_val if self.max_val is not None else get_format(self.format).default_max_val
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """Attributes:
+        module_pattern: regex on the full module name selecting the linears to quantize.
+        block_pattern: regex whose first group is the decoder-block index in a module name.
+        high_precision_layers: k; the first ceil(k/2) and last floor(k/2) blocks stay unquantized.
+        filter_fn: ``(module, fqn) -> bool``; when given it alone decides (patterns and k are ignored).
+    """
+
+    module_pattern: str = DEFAULT_MODULE_PATTERN
+    block_pattern: str = DEFAULT_BLOCK_PATTERN
+    high_precision_layers: int = 5
+    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.high_precision_layers, int) or self.high_precision_layers < 0:
+            _fail("high_precision_layers", f"must be an integer >= 0, got {self.high_precision_layers!r}")
+        for name in ("module_pattern", "block_pattern"):
+            try:
+                compiled = re.compile(getattr(self, name))
+            except re.error as err:
+                _fail(name, f"not a valid regular expression: {err}")
+            if name == "block_pattern" and compiled.groups < 1:
+                _fail(name, "needs one capturing group for the block index")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Attributes:
+        fused: ``auto`` (the fastest backend that works here), ``on`` (required), ``off`` (plain torch);
+            identical results.
+        save_8bit_activations: keep the quantized input for backward as uint8 codes plus the scale.
+        quantize_weights / quantize_activations: the switches a converted layer starts with.
+    """
+
+    fused: Literal["auto", "on", "off"] = "auto"
+    save_8bit_activations: bool = True
+    quantize_weights: bool = True
+    quantize_activations: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fused not in FUSED_MODES:
+            _fail("fused", f"unknown value {self.fused!r}; allowed: {', '.join(FUSED_MODES)}")
