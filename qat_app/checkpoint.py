@@ -143,7 +143,7 @@ def validate_resume_checkpoint(
     name = ckpt.get("hyper_parameters", {}).get("model_name") if isinstance(ckpt.get("hyper_parameters"), dict) else None
     expected = module.state_dict()
     saved = ckpt["state_dict"]
-    missing = [k for k in expected if k not in saved]
+    missing = [k for k in expected if k not in saved and not _filled_on_load(k, saved)]
     unexpected = [k for k in saved if k not in expected]
     mismatched = [
         f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} now"
@@ -168,6 +168,14 @@ def validate_resume_checkpoint(
     if diffs:
         log.warning("resuming from %s with changed settings (checkpoint -> now): %s", path, _listed(diffs))
     return {"global_step": ckpt.get("global_step"), "differences": diffs}
+
+
+def _filled_on_load(key: str, saved: dict) -> bool:
+    """A scaler buffer added after the checkpoint was written: the scaler fills it in on load."""
+    from .hif8.scaling import AmaxScaler
+
+    owner, _, name = key.rpartition(".")
+    return name in dict(AmaxScaler.LATER_BUFFERS) and f"{owner}.amax_history" in saved
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:

@@ -177,10 +177,10 @@ class AmaxScaler(nn.Module):
         self.version += 1
 
     # buffers added after checkpoints were first written: (name, value for a run that predates them)
-    _LATER_BUFFERS = (("quantized_steps", 0), ("last_headroom", math.inf), ("min_headroom", math.inf))
+    LATER_BUFFERS = (("quantized_steps", 0), ("last_headroom", math.inf), ("min_headroom", math.inf))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name, default in self._LATER_BUFFERS:  # older checkpoints keep loading
+        for name, default in self.LATER_BUFFERS:  # older checkpoints keep loading
             state_dict.setdefault(prefix + name, torch.full_like(getattr(self, name), default))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # one sync at load time (not per step) to restore the host-side mirror
