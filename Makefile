@@ -4,9 +4,12 @@ PYTHON ?= python3
 
 .PHONY: install test-deps quickstart test test-fast
 
+# the last step installs this checkout (editable: qat_app, callbacks and the hif8-qat command) without
+# touching the pinned requirements; setuptools comes with torch, so nothing is downloaded for the build
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt
 	$(PYTHON) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 
 quickstart: install
 	$(PYTHON) main.py fit --config configs/quickstart.yaml

@@ -22,13 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from lm_eval_compare import build_datamodule, load_model, run_lm_eval  # noqa: E402
 
 from qat_app.data.benchmarks import EMBEDDED_SMOLLM2  # noqa: E402
-from qat_app.scoring import evaluate  # noqa: E402
+from qat_app.eval.evaluator import evaluate  # noqa: E402
 
 
 def time_ours(model, tokenizer, task, limit, seed, subjects, fewshot, batch_size, max_length):

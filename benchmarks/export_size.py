@@ -26,7 +26,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qat_app.config import QuantConfig  # noqa: E402
 from qat_app.export import checkpoint_bytes, export_hf, export_hif8, load_hif8  # noqa: E402
 from qat_app.models import EMBEDDED_MODEL, load_causal_lm  # noqa: E402

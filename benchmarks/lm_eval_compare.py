@@ -27,15 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qat_app.data.benchmarks import (  # noqa: E402
-    EMBEDDED_SMOLLM2,
-    TASK_SPECS,
-    BenchmarkDataModule,
-    local_data_root,
-)
-from qat_app.scoring import move_batch, score_batch  # noqa: E402
+from qat_app.data.benchmarks import EMBEDDED_SMOLLM2, BenchmarkDataModule  # noqa: E402
+from qat_app.eval.evaluator import move_batch, score_batch  # noqa: E402
+from qat_app.eval.sources import local_data_root  # noqa: E402
+from qat_app.eval.tasks import TASK_SPECS  # noqa: E402
 
 DEFAULT_MMLU_SUBJECTS = ["abstract_algebra", "anatomy", "college_biology", "high_school_geography"]
 

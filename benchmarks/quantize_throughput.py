@@ -17,13 +17,10 @@ uint8 codes written too) and the torch.compile build of the reference (``inducto
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qat_app.hif8.backends.compiled import CompiledBackend  # noqa: E402
 from qat_app.hif8.fake_quant import dequantize_codes, fake_quantize  # noqa: E402
 

@@ -27,13 +27,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from qat_app.config import QuantConfig  # noqa: E402
-from qat_app.config import quantize_model  # noqa: E402
-from qat_app.hif8.patch import set_quantization  # noqa: E402
-from qat_app.hif8.scaling import advance_all, all_scalers  # noqa: E402
+from qat_app.config import QuantConfig, quantize_model  # noqa: E402
+from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance  # noqa: E402
 
 
 def build_model(args) -> torch.nn.Module:
@@ -63,22 +58,19 @@ def make_batches(args, vocab: int) -> list[torch.Tensor]:
 class Variant:
     def __init__(self, model: torch.nn.Module, batches, args, quantized: bool) -> None:
         self.model, self.batches, self.args = model, batches, args
-        self.scalers = []
+        self.quantized = quantized
         if quantized:
             quant = QuantConfig(amax_algo="max", history_len=64, high_precision_layers=args.high_precision_layers,
                                 fused=args.fused)
             self.report = quantize_model(model, quant)
-            self.scalers = all_scalers(model)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
         # One BF16 step for both (the same number of steps, optimizer state created); for QAT it is
         # the end of the warmup: observers record it, the windows are seeded, quantization goes on.
         if quantized:
-            set_quantization(model, weights=False, activations=False)
+            start_warmup(model)
         self.step()
         if quantized:
-            for s in self.scalers:
-                s.seed_history()
-            set_quantization(model, weights=True, activations=True)
+            end_warmup(model)
 
     def step(self) -> None:
         autocast = torch.autocast(self.args.device, dtype=torch.bfloat16, enabled=self.args.bf16)
@@ -86,10 +78,8 @@ class Variant:
             with autocast:
                 loss = self.model(input_ids=ids, labels=ids).loss / len(self.batches)
             loss.backward()
-        advance_all(self.scalers)
-        for module in self.model.modules():
-            if hasattr(module, "release_weight_cache"):
-                module.release_weight_cache()  # as QATModule does: stale once the optimizer steps
+        if self.quantized:
+            sync_and_advance(self.model)  # the recipe's per-step protocol, as QATModule runs it
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

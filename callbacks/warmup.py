@@ -16,6 +16,7 @@ import lightning as L
 
 from qat_app.errors import ConfigError
 from qat_app.hif8.patch import quantized_linears, set_quantization
+from qat_app.hif8.training import end_warmup, start_warmup
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,11 @@ class BF16WarmupCallback(L.Callback):
     def _apply_phase(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         in_warmup = trainer.global_step < self.warmup_steps
         if in_warmup:
-            set_quantization(pl_module.model, weights=False, activations=False, grads=False)
+            start_warmup(pl_module.model)
             return
         if self.switched_at is None:
             layers = quantized_linears(pl_module.model)
-            for _, layer in layers:
-                for scaler in layer.scalers():
-                    scaler.seed_history()
+            end_warmup(pl_module.model, weights=self.quantize_weights, activations=self.quantize_activations)
             self.switched_at = trainer.global_step
             if layers:  # an unquantized baseline has nothing to switch on
                 log.info("BF16 warmup over at step %d: histories seeded, quantization on (weights=%s, activations=%s)",

@@ -1,19 +1,20 @@
 """The LightningModule: a pretrained causal LM, patched for HiF8 W8A8 QAT, trained on causal-LM loss.
 
-Per optimizer step (``on_before_optimizer_step``, after the last micro-batch's backward):
+Per optimizer step (``on_before_optimizer_step``, after the last micro-batch's backward) it runs the
+core's per-step protocol, :func:`qat_app.hif8.training.sync_and_advance`:
   1. the gradient norm is computed and, with a flag of whether any micro-batch loss of the step was
      non-finite, reduced across data-parallel ranks together with the step amax of every scaler (one
-     MAX all-reduce on one flat buffer, :func:`qat_app.hif8.scaling.sync_step_amax`), so all ranks take the
-     same decision and hold the same histories;
+     MAX all-reduce on one flat buffer), so all ranks take the same decision and hold the same histories;
   2. a non-finite loss or gradient (on any rank, in any micro-batch of the step) skips the step: every
      grad is dropped, so AdamW leaves weights and moments alone, and the amax observations of the step
      are discarded, so a NaN never reaches a history or a scale. The skip is logged
      (``train/skipped_steps``) and counted; ``max_consecutive_nonfinite`` bad steps in a row stop the run
      with :class:`NonFiniteStepError` *before* anything of the bad step is checkpointed;
-  3. otherwise every scaler is advanced once, so ``history_len`` counts optimizer steps.
+  3. otherwise every scaler is advanced once (one batched update of the stacked state), so
+     ``history_len`` counts optimizer steps, and the cached weight codes are released.
 This costs one host sync per optimizer step (none per forward).
 Validation batches are either LM blocks (loss / perplexity) or benchmark batches (``"benchmark"``
-key), scored by :class:`qat_app.scoring.BenchmarkEvaluator`.
+key), scored by :class:`qat_app.eval.evaluator.BenchmarkEvaluator`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
 from .config import quantize_model
 from .hif8.patch import QuantReport, quantized_linears
-from .hif8.scaling import AmaxScaler, all_scalers, sync_step_amax
+from .hif8.training import sync_and_advance
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,6 @@ class QATModule(L.LightningModule):
                     f"{blocks} blocks in high precision): nothing would be quantized"
                 )
             log.info(self.quant_report.summary())
-        self.scalers: list[AmaxScaler] = all_scalers(self.model)
         self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
         self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
         self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step
@@ -148,14 +148,10 @@ class QATModule(L.LightningModule):
         if self._loss_nonfinite is not None:
             bad = bad | self._loss_nonfinite.to(bad.device)
         self._loss_nonfinite = None
-        # one collective: the step amax of every scaler and the bad-step flag (so all ranks agree)
-        bad = sync_step_amax(self.scalers, bad_step=bad)
-        if not bool(bad):  # the one host sync per optimizer step
+        # the recipe's per-step protocol: one collective (step amax + the bad-step flag, so all ranks agree),
+        # then advance every scaler and release the weight caches, or discard the step's observations
+        if not sync_and_advance(self.model, nonfinite=bad):
             self.consecutive_nonfinite = 0
-            for scaler in self.scalers:
-                scaler.advance()
-            for _, layer in self.quantized_linears():
-                layer.release_weight_cache()  # the weights are about to change
         else:
             self._skip_step(optimizer)
         self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
@@ -183,8 +179,6 @@ class QATModule(L.LightningModule):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # AdamW skips parameters without a gradient: weights and moments stay
-        for scaler in self.scalers:
-            scaler.discard_step()  # the step's (NaN) observations never reach a history or a scale
         self.skipped_steps += 1
         self.consecutive_nonfinite += 1
         limit = self.hparams.max_consecutive_nonfinite
@@ -236,7 +230,7 @@ class QATModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         if "benchmark" in batch:
             if self.evaluator is None:
-                from .scoring import BenchmarkEvaluator
+                from .eval.evaluator import BenchmarkEvaluator
 
                 self.evaluator = BenchmarkEvaluator(self._benchmark_task_names()).to(self.device)
             self.evaluator.update(self.model, batch)
@@ -263,7 +257,7 @@ class QATModule(L.LightningModule):
         ``<log_dir>/benchmark_samples/<prefix>_step<global_step>.jsonl`` (rank 0; all ranks' examples)."""
         if self.evaluator is None:
             return
-        from .scoring import record_rows, write_records
+        from .eval.evaluator import record_rows, write_records
 
         results, records = self.evaluator.compute_with_records()
         for key, value in results.items():

@@ -7,7 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from qat_app.hif8.scaling import AmaxScaler, sync_step_amax
+from qat_app.hif8.scaler_bank import sync_step_amax
+from qat_app.hif8.scaling import AmaxScaler
 
 
 def sync_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:

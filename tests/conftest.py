@@ -1,12 +1,7 @@
 import os
-import sys
 
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

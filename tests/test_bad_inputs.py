@@ -21,7 +21,7 @@ import yaml
 
 import main as cli
 from qat_app.config import QuantConfigError
-from qat_app.data.pretrain import DataError
+from qat_app.data.errors import DataError
 from qat_app.errors import CheckpointError, ConfigError, QATError
 from tests.test_cli_fit import write_config
 
@@ -163,7 +163,7 @@ def test_bad_data_file(kind, exc, pattern, tmp_path, tiny_model_dir, tiny_corpus
     config = write_config(tmp_path, tiny_model_dir, tiny_corpus, **{
         "data.init_args.data_files": path, "data.init_args.val_documents": 0, "trainer.max_steps": 2,
         "warmup.warmup_steps": 1})
-    with caplog.at_level(logging.WARNING, logger="qat_app.data.pretrain"):
+    with caplog.at_level(logging.WARNING, logger="qat_app.data.loader"):
         outcome = _run(["fit", "--config", config], capsys)
     if exc is None:
         assert outcome == (None, ""), outcome

@@ -7,17 +7,12 @@ import random
 import pytest
 import torch
 
-from qat_app.data.benchmarks import (
-    MMLU_SUBJECTS,
-    BenchmarkCollator,
-    BenchmarkDataModule,
-    build_examples,
-    hellaswag_preprocess,
-    layout_rows,
-    load_task_examples,
-    select_doc_indices,
-    tokenize_examples,
-)
+from qat_app.data.benchmarks import BenchmarkDataModule
+from qat_app.eval.dataset import tokenize_examples
+from qat_app.eval.examples import build_examples, load_task_examples, select_doc_indices
+from qat_app.eval.hellaswag import hellaswag_preprocess
+from qat_app.eval.layout import BenchmarkCollator, layout_rows
+from qat_app.eval.mmlu import MMLU_SUBJECTS
 
 
 def byte_level_tokenizer(vocab_size: int = 400):

@@ -280,7 +280,7 @@ def test_cli_from_lightning_checkpoint(tmp_path, tiny_model_dir):
     for _ in range(2):
         with torch.no_grad():
             module.model(input_ids=ids)
-        for s in module.scalers:
+        for s in all_scalers(module.model):
             s.advance()
     module.model.eval()
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -112,8 +112,9 @@ def test_weight_is_quantized_once_per_optimizer_step(monkeypatch):
     set_scale(layer.input_scaler, 4.0)
     set_scale(layer.weight_scaler, 30.0)
     calls = []
-    original = layer._fake_quantize
-    monkeypatch.setattr(layer, "_fake_quantize", lambda t, s, *a, **k: (calls.append(s), original(t, s, *a, **k))[1])
+    for scaler in (layer.input_scaler, layer.weight_scaler):
+        original = scaler.quantize
+        monkeypatch.setattr(scaler, "quantize", lambda t, *a, _s=scaler, _o=original, **k: (calls.append(_s), _o(t, *a, **k))[1])
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     for _ in range(3):  # three micro-batches of one step
         layer(torch.randn(2, 32)).sum().backward()

@@ -12,15 +12,12 @@ import torch
 
 torch.set_num_threads(2)
 
-from qat_app.data.pretrain import (  # noqa: E402
-    EMBEDDED_BOOLQ,
-    DataError,
-    PretrainDataModule,
-    boolq_passages_path,
-    derive_accumulate_grad_batches,
-    pack_texts,
-    resolve_data_files,
-)
+from qat_app.data.batching import derive_accumulate_grad_batches  # noqa: E402
+from qat_app.data.corpus import EMBEDDED_BOOLQ, boolq_passages_path  # noqa: E402
+from qat_app.data.errors import DataError  # noqa: E402
+from qat_app.data.files import resolve_data_files  # noqa: E402
+from qat_app.data.packing import pack_texts  # noqa: E402
+from qat_app.data.pretrain import PretrainDataModule  # noqa: E402
 
 N_DOC_IDS = 3000
 N_WORDS = 50

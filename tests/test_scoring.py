@@ -11,20 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from qat_app.data.benchmarks import (
-    MMLU_SUBJECTS,
-    BenchmarkCollator,
-    BenchmarkDataModule,
-    TokenizedExample,
-    layout_rows,
-)
-from qat_app.scoring import (
-    BenchmarkEvaluator,
-    BenchmarkValidationModule,
-    MultipleChoiceMetric,
-    evaluate,
-    score_batch,
-)
+from qat_app.data.benchmarks import BenchmarkDataModule
+from qat_app.eval.evaluator import BenchmarkEvaluator, BenchmarkValidationModule, evaluate, score_batch
+from qat_app.eval.layout import BenchmarkCollator, TokenizedExample, layout_rows
+from qat_app.eval.metric import MultipleChoiceMetric
+from qat_app.eval.mmlu import MMLU_SUBJECTS
 from tests.test_benchmarks import byte_level_tokenizer
 
 

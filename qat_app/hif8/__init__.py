@@ -1,0 +1,20 @@
+"""HiF8 W8A8 quantization-aware training, framework-free (torch and transformers' modules only).
+
+Layers: :mod:`.formats` (HiF8, E4M3, E5M2 rounding and codes) -> :mod:`.backends` (fake quantization:
+reference, torch.compile, Triton) -> :mod:`.scaling` (a tensor's amax history and scale) and
+:mod:`.scaler_bank` (all of them stacked, one batched update) -> :mod:`.linear` (HiF8Linear) ->
+:mod:`.patch` (which linears) -> :mod:`.training` (the per-step protocol). Configuration:
+:mod:`.recipe` (frozen ``HiF8Recipe``, ``LayerSelection``, ``RuntimeOptions``).
+"""
+
+from .errors import FieldError, HiF8Error, RecipeError, SelectionError
+from .linear import HiF8Linear
+from .patch import QuantReport, convert_to_hif8_training, dequantize_model, quantized_linears, set_quantization
+from .recipe import HiF8Recipe, LayerSelection, RuntimeOptions
+from .training import end_warmup, release_weight_caches, start_warmup, sync_and_advance
+
+__all__ = [
+    "FieldError", "HiF8Error", "HiF8Linear", "HiF8Recipe", "LayerSelection", "QuantReport", "RecipeError",
+    "RuntimeOptions", "SelectionError", "convert_to_hif8_training", "dequantize_model", "end_warmup",
+    "quantized_linears", "release_weight_caches", "set_quantization", "start_warmup", "sync_and_advance",
+]

@@ -16,12 +16,14 @@ codes plus the scale; decoding reproduces it exactly, so gradients are unchanged
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fake_quant import FakeQuantResult, dequantize_codes, fake_quantize, fake_quantize_current, saturated_mask
-from .formats import get_format
+from .fake_quant import dequantize_codes, saturated_mask
+from .formats import Float8Format, get_format
 from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
 
@@ -124,41 +126,14 @@ class HiF8Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------
 
-    def _fake_quantize(
-        self, x: torch.Tensor, scaler: AmaxScaler, want_codes: bool, noise=None
-    ) -> tuple[FakeQuantResult, torch.Tensor]:
-        """-> (result, the scale used): the scaler's delayed scale, or the current one for CTS."""
-        fused = self.runtime.fused
-        if scaler.uses_current_scaling:
-            result, scale = fake_quantize_current(
-                x, scaler.scale, scaler.max_val, scaler.margin, self.format, want_codes=want_codes, noise=noise, fused=fused
-            )
-            return result, scale
-        result = fake_quantize(x, scaler.scale, scaler.max_val, self.format, want_codes=want_codes, noise=noise, fused=fused)
-        return result, scaler.scale.clone()  # a snapshot: the buffer moves on at the step boundary
-
     def _passes_gradient(self, x: torch.Tensor, scale: torch.Tensor, scaler: AmaxScaler) -> torch.Tensor | None:
-        """``ste="clipped"``: False where the element was clipped (same definition as the counters)."""
-        if self.recipe.ste != "clipped":
-            return None
-        return ~saturated_mask(x, scale, scaler.max_val, self.format)
+        return _passes_gradient(self.recipe.ste == "clipped", x, scale, scaler, self.format)
 
-    def _quantize_input(self, x: torch.Tensor):
-        """-> (x for the matmul, codes or None, scale or None, clipped-mask or None)."""
-        record = self.training
-        if not self.quantize_activations:
-            if record:
-                self.input_scaler.observe(x.detach().abs().amax(), None, x.numel())
-            return x, None, None, None
-        want_codes = self.runtime.save_8bit_activations
-        result, scale = self._fake_quantize(x, self.input_scaler, want_codes)
-        if record:
-            self.input_scaler.observe(result.amax, result.clipped, x.numel())
-        mask = self._passes_gradient(x, scale, self.input_scaler)
-        return result.dequantized, result.codes, scale, mask
-
-    def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype):
-        """-> (saved: uint8 codes or the weight itself, scale or None, clipped-mask or None).
+    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype):
+        """-> (saved: uint8 codes or the weight itself, scale or None, clipped-mask or None): the weight
+        operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
+        when not). The hook a subclass overrides to supply the weight another way (the 8-bit export's
+        reader supplies its decoded weight).
 
         Quantized once per optimizer step: the codes (1 byte per parameter) are cached until the
         parameter changes (``_version``) or the scale does; forward and backward decode them.
@@ -169,7 +144,7 @@ class HiF8Linear(nn.Linear):
             self._weight_cache = None  # free the old codes before making new ones
             w = weight.detach().to(dtype)
             if self.quantize_weights:
-                result, scale = self._fake_quantize(w, scaler, want_codes=True)
+                result, scale = scaler.quantize(w, self.format, want_codes=True, fused=self.runtime.fused)
                 mask = self._passes_gradient(w, scale, scaler)
                 entry = (result.codes, scale.clone(), mask, (result.amax, result.clipped))
             else:
@@ -185,27 +160,82 @@ class HiF8Linear(nn.Linear):
         """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
         self._weight_cache = None
 
-    def _dequantize(self, saved: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            w_saved, w_scale, w_mask = self.quantized_weight(self.weight, dtype)
+        plan = _Plan(
+            input_scaler=self.input_scaler, activations_on=self.quantize_activations, record=self.training,
+            grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format,
+            fused=self.runtime.fused, ste_clipped=self.recipe.ste == "clipped",
+            save_codes=self.runtime.save_8bit_activations, stochastic_grads=self.recipe.grad_stochastic_rounding,
+            dtype=dtype,
+        )
+        return _HiF8LinearFunction.apply(x, self.weight, self.bias, w_saved, w_scale, w_mask, plan)
+
+
+def _passes_gradient(ste_clipped: bool, x, scale, scaler: AmaxScaler, fmt) -> torch.Tensor | None:
+    """``ste="clipped"``: False where the element was clipped (same definition as the counters)."""
+    return ~saturated_mask(x, scale, scaler.max_val, fmt) if ste_clipped else None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one forward of a layer does: its scalers and switches at call time (the autograd function
+    gets this, not the module)."""
+
+    input_scaler: AmaxScaler
+    activations_on: bool
+    record: bool  # training mode: observers record
+    grad_scaler: AmaxScaler | None
+    grads_on: bool
+    fmt: Float8Format
+    fused: str
+    ste_clipped: bool
+    save_codes: bool
+    stochastic_grads: bool
+    dtype: torch.dtype  # compute dtype (the autocast dtype under autocast)
+
+    def decode(self, saved: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if scale is None:  # not quantized: the tensor itself
             return saved
-        return dequantize_codes(saved, scale, self.format, dtype, fused=self.runtime.fused)
+        return dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _HiF8LinearFunction.apply(x, self.weight, self.bias, self)
+    def quantize_input(self, x: torch.Tensor):
+        """-> (x for the matmul, codes or None, scale or None, clipped-mask or None)."""
+        scaler = self.input_scaler
+        if not self.activations_on:
+            if self.record:
+                scaler.observe(x.abs().amax(), None, x.numel())
+            return x, None, None, None
+        result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes, fused=self.fused)
+        if self.record:
+            scaler.observe(result.amax, result.clipped, x.numel())
+        return result.dequantized, result.codes, scale, _passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
+
+    def quantize_grad_output(self, g: torch.Tensor) -> torch.Tensor:
+        scaler = self.grad_scaler
+        if scaler is None:
+            return g
+        if not self.grads_on:
+            scaler.observe(g.abs().amax(), None, g.numel())
+            return g
+        noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32) if self.stochastic_grads else None
+        result, _ = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused)
+        scaler.observe(result.amax, result.clipped, g.numel())
+        return result.dequantized
 
 
 class _HiF8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: HiF8Linear):
-        dtype = _compute_dtype(x)
+    def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, plan: _Plan):
+        dtype = plan.dtype
         with torch.autocast(x.device.type, enabled=False):
-            x_c = x.to(dtype)
-            xq, x_codes, x_scale, x_mask = module._quantize_input(x_c)
-            w_saved, w_scale, w_mask = module._quantize_weight(weight, dtype)
+            xq, x_codes, x_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
-            out = F.linear(xq, module._dequantize(w_saved, w_scale, dtype), b)
-        ctx.module = module
-        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None, dtype)
+            out = F.linear(xq, plan.decode(w_saved, w_scale), b)
+        ctx.plan = plan
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.has_bias = bias is not None
         # backward needs the quantized input and weight: kept as 8-bit codes + scale where possible
         x_saved, x_saved_scale = (x_codes, x_scale) if x_codes is not None else (xq, None)
@@ -215,30 +245,21 @@ class _HiF8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x_saved, x_scale, w_saved, w_scale, x_mask, w_mask = ctx.saved_tensors
-        module: HiF8Linear = ctx.module
-        x_dtype, w_dtype, b_dtype, dtype = ctx.dtypes
-        g = grad_out.to(dtype)
-        if module.grad_scaler is not None and not module.quantize_grads:
-            module.grad_scaler.observe(g.detach().abs().amax(), None, g.numel())
-        elif module.grad_scaler is not None:
-            noise = None
-            if module.recipe.grad_stochastic_rounding:
-                noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32)
-            result, _ = module._fake_quantize(g, module.grad_scaler, want_codes=False, noise=noise)
-            module.grad_scaler.observe(result.amax, result.clipped, g.numel())
-            g = result.dequantized
+        plan: _Plan = ctx.plan
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g = plan.quantize_grad_output(grad_out.to(plan.dtype))
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = g @ module._dequantize(w_saved, w_scale, dtype)
+            grad_x = g @ plan.decode(w_saved, w_scale)
             if x_mask is not None:
                 grad_x = grad_x * x_mask
             grad_x = grad_x.to(x_dtype)
         if ctx.needs_input_grad[1]:
-            xq = module._dequantize(x_saved, x_scale, dtype)
+            xq = plan.decode(x_saved, x_scale)
             grad_w = g.reshape(-1, g.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
             if w_mask is not None:
                 grad_w = grad_w * w_mask
             grad_w = grad_w.to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None, None

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fake_quant import compute_scale
+from .fake_quant import FakeQuantResult, compute_scale, fake_quantize, fake_quantize_current
+from .formats import Float8Format
 from .recipe import AMAX_ALGOS
 
 
@@ -92,6 +93,20 @@ class AmaxScaler(nn.Module):
     @property
     def uses_current_scaling(self) -> bool:
         return self.algo == "current" or not self.has_history
+
+    def quantize(self, x: torch.Tensor, fmt: str | Float8Format, *, want_codes: bool = False,
+                 noise: torch.Tensor | None = None, fused: str = "off") -> tuple[FakeQuantResult, torch.Tensor]:
+        """Fake-quantize ``x`` with this tensor's scale -> (result, the scale used).
+
+        The one place that decides which scale: the delayed one (a snapshot: the buffer moves on at the
+        step boundary), or the tensor's own (current scaling, and a delayed scaler before its first
+        recorded step).
+        """
+        if self.uses_current_scaling:
+            return fake_quantize_current(x, self.scale, self.max_val, self.margin, fmt, want_codes=want_codes,
+                                         noise=noise, fused=fused)
+        result = fake_quantize(x, self.scale, self.max_val, fmt, want_codes=want_codes, noise=noise, fused=fused)
+        return result, self.scale.clone()
 
     @torch.no_grad()
     def observe(self, amax: torch.Tensor, clipped: torch.Tensor | None, numel: int) -> None:
@@ -198,44 +213,6 @@ def _data_parallel(group=None) -> bool:
 
 
 @torch.no_grad()
-def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Make every data-parallel rank hold the same step amax: one MAX all-reduce on one flat buffer.
-
-    The buffer holds ``[step_amax, step_seen, step_clipped > 0]`` of every scaler (and, when given, the rank's
-    ``bad_step`` flag, 1.0 where its loss/gradient was non-finite). NaN is mapped to +inf first (a
-    MAX reduction may drop NaN); inf then marks the step invalid on every rank alike, so every rank
-    pushes the same value (or nothing) into its history and computes the same scale.
-
-    The flag makes the skip decision collective: under a sharded strategy (FSDP) each rank sees only
-    its own gradient shard, so one rank's NaN must skip the step everywhere. Returns the reduced flag
-    (``bad_step`` itself on one process), or None when no flag was given.
-
-    Uses ``torch.distributed`` on ``group`` (default: the world group, which DDP and FSDP both use);
-    a no-op without an initialised process group of more than one rank. The third entry makes a
-    saturation event (a step that clipped on any rank) count alike on every rank; the element counts
-    (clipped / quantized) stay per rank and are summed when logged (:func:`sum_over_ranks`).
-    """
-    if not _data_parallel(group):
-        return bad_step
-    parts = [torch.stack([s.step_amax, s.step_seen, (s.step_clipped > 0).float()]) for s in scalers]
-    if bad_step is not None:
-        device = scalers[0].step_amax.device if scalers else bad_step.device
-        parts.append(bad_step.detach().float().reshape(1).to(device))
-    if not parts:
-        return bad_step
-    flat = torch.cat([p.reshape(-1) for p in parts]).float()
-    flat = torch.nan_to_num(flat, nan=float("inf"), posinf=float("inf"))
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    for i, scaler in enumerate(scalers):
-        scaler.step_amax.copy_(flat[3 * i])
-        scaler.step_seen.copy_(flat[3 * i + 1])
-        scaler.step_clipped_anywhere.copy_(flat[3 * i + 2])
-    if bad_step is None:
-        return None
-    return flat[-1].to(bad_step.device) > 0
-
-
-@torch.no_grad()
 def sum_over_ranks(values: torch.Tensor, group=None) -> torch.Tensor:
     """``values`` summed over the data-parallel ranks (one SUM all-reduce; itself on one process).
 
@@ -247,10 +224,3 @@ def sum_over_ranks(values: torch.Tensor, group=None) -> torch.Tensor:
     total = values.detach().double().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total
-
-
-def advance_all(scalers: list[AmaxScaler], group=None) -> None:
-    """One optimizer step for every scaler (after the data-parallel amax sync)."""
-    sync_step_amax(scalers, group)
-    for scaler in scalers:
-        scaler.advance()

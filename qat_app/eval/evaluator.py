@@ -1,6 +1,6 @@
 """Log-likelihood scoring of multiple-choice benchmark batches, with DDP-correct torchmetrics.
 
-Batches come from :class:`qat_app.data.benchmarks.BenchmarkDataModule`. Each choice is scored by the
+Batches come from :class:`qat_app.data.benchmarks.BenchmarkDataModule` (layout: :mod:`qat_app.eval.layout`). Each choice is scored by the
 summed log-probability of its continuation tokens, as lm-evaluation-harness does; ``acc`` takes the
 argmax of that sum, ``acc_norm`` of the sum divided by the choice's length in characters. MMLU's
 overall ``acc`` is the mean over all its examples, i.e. subjects weighted by size, as lm-eval's
@@ -27,109 +27,11 @@ from typing import Any
 import lightning
 import torch
 from torch import nn
-from torchmetrics import Metric
-from torchmetrics.utilities import dim_zero_cat
 
-from qat_app.data.benchmarks import MMLU_CATEGORIES, MMLU_SUBJECT_CATEGORIES, MMLU_SUBJECTS, TASK_NAMES
-
-# Rows of vocabulary-sized log-softmax evaluated at once: bounds the temporary to ~100 MB at 49k vocab.
-_LOGSOFTMAX_CHUNK_ROWS = 512
-# Width of the per-example log-likelihood state (a fixed width so ranks can concatenate it).
-MAX_RECORDED_CHOICES = 8
-
-
-class MultipleChoiceMetric(Metric):
-    """acc / acc_norm over examples, each counted once however often it was seen.
-
-    Lightning's DistributedSampler pads the last batch with repeats of earlier examples; states are
-    concatenated across ranks and de-duplicated by ``example_id`` in :meth:`compute`.
-    """
-
-    full_state_update = False
-    higher_is_better = True
-    is_differentiable = False
-
-    def __init__(self, num_subjects: int = 0, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.num_subjects = num_subjects
-        # float/long states: gloo cannot all-gather bool tensors
-        self.add_state("example_ids", default=[], dist_reduce_fx="cat")
-        self.add_state("correct", default=[], dist_reduce_fx="cat")
-        self.add_state("correct_norm", default=[], dist_reduce_fx="cat")
-        self.add_state("subject_ids", default=[], dist_reduce_fx="cat")
-        # per-example records (lm-eval's --log_samples): gold, both predictions, every choice's loglik
-        self.add_state("gold", default=[], dist_reduce_fx="cat")
-        self.add_state("pred", default=[], dist_reduce_fx="cat")
-        self.add_state("pred_norm", default=[], dist_reduce_fx="cat")
-        self.add_state("loglik", default=[], dist_reduce_fx="cat")
-
-    def update(
-        self,
-        example_ids: torch.Tensor,
-        correct: torch.Tensor,
-        correct_norm: torch.Tensor,
-        subject_ids: torch.Tensor | None = None,
-        scored: "ScoredBatch | None" = None,
-        gold: torch.Tensor | None = None,
-    ) -> None:
-        self.example_ids.append(example_ids.long())
-        self.correct.append(correct.float())
-        self.correct_norm.append(correct_norm.float())
-        self.subject_ids.append(torch.zeros_like(example_ids) if subject_ids is None else subject_ids.long())
-        if scored is not None and gold is not None:
-            width = scored.loglik.shape[1]
-            if width > MAX_RECORDED_CHOICES:
-                raise ValueError(f"{width} choices per example; per-example records hold at most {MAX_RECORDED_CHOICES}")
-            loglik = torch.full((scored.loglik.shape[0], MAX_RECORDED_CHOICES), float("-inf"),
-                                device=scored.loglik.device)
-            loglik[:, :width] = scored.loglik.float()
-            self.gold.append(gold.long())
-            self.pred.append(scored.pred.long())
-            self.pred_norm.append(scored.pred_norm.long())
-            self.loglik.append(loglik)
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        """Aggregates, plus ``records``: per distinct example (sorted by id) its id, gold, predictions,
-        correctness and log-likelihoods, when they were given to :meth:`update`."""
-        example_ids = dim_zero_cat(self.example_ids)
-        first = first_occurrences(example_ids)
-        correct = dim_zero_cat(self.correct)[first]
-        correct_norm = dim_zero_cat(self.correct_norm)[first]
-        result = {
-            "acc": correct.mean(),
-            "acc_norm": correct_norm.mean(),
-            "count": torch.tensor(float(first.numel()), device=correct.device),
-        }
-        if len(self.gold) > 0:  # a list of batches, or one tensor once synced across ranks
-            result["records"] = {
-                "example_id": example_ids[first], "gold": dim_zero_cat(self.gold)[first],
-                "pred": dim_zero_cat(self.pred)[first], "pred_norm": dim_zero_cat(self.pred_norm)[first],
-                "acc": correct, "acc_norm": correct_norm, "loglik": dim_zero_cat(self.loglik)[first],
-            }
-        if self.num_subjects:
-            subjects = dim_zero_cat(self.subject_ids)[first]
-            result["subject_count"] = torch.bincount(subjects, minlength=self.num_subjects).float()
-            result["subject_correct"] = torch.bincount(subjects, weights=correct, minlength=self.num_subjects)
-            result["subject_correct_norm"] = torch.bincount(subjects, weights=correct_norm, minlength=self.num_subjects)
-        return result
-
-
-def first_occurrences(ids: torch.Tensor) -> torch.Tensor:
-    """Index of the first occurrence of every distinct value of ``ids`` (sorted by value)."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    positions = torch.arange(ids.numel(), device=ids.device)
-    first = torch.full((unique.numel(),), ids.numel(), dtype=torch.long, device=ids.device)
-    return first.scatter_reduce(0, inverse, positions, reduce="amin")
-
-
-@dataclass
-class ScoredBatch:
-    choice_loglik: torch.Tensor  # [M] summed log-prob of each choice's continuation
-    loglik: torch.Tensor  # [E, max_choices], -inf where an example has fewer choices
-    pred: torch.Tensor  # [E] argmax of loglik
-    pred_norm: torch.Tensor  # [E] argmax of loglik / choice length in characters
-    correct: torch.Tensor  # [E] bool
-    correct_norm: torch.Tensor  # [E] bool
+from qat_app.eval.layout import choice_logliks, packed_attention_mask, target_logprobs
+from qat_app.eval.metric import MAX_RECORDED_CHOICES, MultipleChoiceMetric, ScoredBatch
+from qat_app.eval.mmlu import MMLU_CATEGORIES, MMLU_SUBJECT_CATEGORIES, MMLU_SUBJECTS
+from qat_app.eval.tasks import TASK_NAMES
 
 
 @dataclass(frozen=True)
@@ -151,25 +53,6 @@ def _forward_support(model: nn.Module) -> _ForwardSupport:
         use_cache="use_cache" in parameters,
         cache_argument=cache_argument if "use_cache" in parameters else None,
     )
-
-
-def packed_attention_mask(
-    segment_ids: torch.Tensor, dtype: torch.dtype | None = None, prefix_length: int = 0
-) -> torch.Tensor:
-    """[R, 1, T, P + T] mask for packed rows behind a shared prefix of P tokens: causal, every token sees
-    the prefix and the row's context (segment 0) and its own segment only. Padding (segment -1) sees
-    earlier padding and the prefix, so no softmax row is empty.
-    Boolean (True = attend) when ``dtype`` is None, else additive (0 / dtype min)."""
-    rows, length = segment_ids.shape
-    device = segment_ids.device
-    key_segments = torch.cat([segment_ids.new_zeros(rows, prefix_length), segment_ids], dim=1)
-    query_index = torch.arange(length, device=device)[:, None] + prefix_length
-    causal = torch.arange(length + prefix_length, device=device)[None, :] <= query_index
-    query, key = segment_ids[:, :, None], key_segments[:, None, :]
-    allowed = (causal & ((key == 0) | (key == query)))[:, None]
-    if dtype is None:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -252,22 +135,8 @@ def _run_prefix(model: nn.Module, prefix: torch.Tensor, rows: int, support: _For
 def score_batch(model: nn.Module, batch: Mapping[str, Any]) -> ScoredBatch:
     """Summed continuation log-likelihood of every choice in the batch, and the predictions."""
     logits, offset = forward_logits(model, batch)
-    rows, cols, tokens = batch["target_row"], batch["target_pos"] - offset, batch["target_token"]
-    token_logprobs = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
-    for start in range(0, rows.numel(), _LOGSOFTMAX_CHUNK_ROWS):
-        chunk = slice(start, start + _LOGSOFTMAX_CHUNK_ROWS)
-        selected = logits[rows[chunk], cols[chunk]].float()
-        token_logprobs[chunk] = selected.gather(1, tokens[chunk, None]).squeeze(1) - selected.logsumexp(-1)
-
-    choice_example, choice_slot = batch["choice_example"], batch["choice_slot"]
-    choice_loglik = torch.zeros(choice_example.numel(), dtype=torch.float32, device=logits.device)
-    choice_loglik.index_add_(0, batch["target_choice"], token_logprobs)
-
-    shape = (batch["example_id"].numel(), int(batch["max_choices"]))
-    loglik = torch.full(shape, float("-inf"), device=logits.device)
-    loglik[choice_example, choice_slot] = choice_loglik
-    char_length = torch.ones(shape, device=logits.device)
-    char_length[choice_example, choice_slot] = batch["choice_char_length"].float()
+    token_logprobs = target_logprobs(logits, batch, offset)
+    choice_loglik, loglik, char_length = choice_logliks(batch, token_logprobs)
     pred = loglik.argmax(1)  # first maximum on ties, like numpy's argmax in lm-eval
     pred_norm = (loglik / char_length).argmax(1)
     gold = batch["gold"]

@@ -1,0 +1,148 @@
+"""The document stream: a hub dataset or local files, streamed with ``datasets``.
+
+* Hub (default): ``datasets.load_dataset(dataset, dataset_config, split=split, streaming=True)``, e.g.
+  ``HuggingFaceFW/fineweb`` / ``sample-10BT`` / ``train`` (the paper's recipe).
+* Local files: ``data_files`` (a path, a directory, a glob pattern or a list of them; ``.parquet``,
+  ``.jsonl``/``.json``, ``.txt``, optionally ``.gz``/``.bz2``/``.xz``/``.zst`` compressed, resolved by
+  :func:`qat_app.data.files.resolve_data_files`). When given they replace the hub dataset and go through the
+  *same* code path: ``load_dataset("parquet"|"json"|"text", data_files=<sorted resolved files>, streaming=True)``.
+  Text files are split into documents by blank lines (``text_sample_by="paragraph"``; ``"line"`` and
+  ``"document"`` are the alternatives).
+* ``dataset="embedded:boolq-passages"``: see :mod:`qat_app.data.corpus` (read as local ``data_files``).
+
+A source is read shard by shard (files, or parquet row groups after :meth:`Source.reshard`); errors name the
+shard's file.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from qat_app.data.errors import DataError
+from qat_app.data.files import builder_for
+
+log = logging.getLogger(__name__)
+
+
+class Source:
+    """A (picklable) description of the document stream: hub dataset or local files, opened with
+    ``datasets.load_dataset(..., streaming=True)``; ``shard(i)`` is the i-th shard (file / row group)."""
+
+    def __init__(
+        self,
+        dataset: str | None,
+        dataset_config: str | None,
+        split: str,
+        data_files: list[str] | None,
+        text_column: str,
+        text_sample_by: str,
+        revision: str | None = None,
+    ):
+        self.dataset, self.dataset_config, self.split = dataset, dataset_config, split
+        self.data_files, self.text_column, self.text_sample_by = data_files, text_column, text_sample_by
+        self.revision = revision
+        self._base = None
+        self.resharded = False
+
+    @property
+    def name(self) -> str:
+        if self.data_files is not None:
+            return self.data_files[0] if len(self.data_files) == 1 else f"{len(self.data_files)} local files"
+        return f"{self.dataset} (config={self.dataset_config}, split={self.split})"
+
+    def open(self):
+        if self._base is not None:
+            return self._base
+        import datasets
+
+        try:
+            if self.data_files is not None:
+                builder = builder_for(self.data_files[0])
+                kwargs: dict[str, Any] = {}
+                if builder == "text":
+                    kwargs["sample_by"] = self.text_sample_by
+                base = datasets.load_dataset(
+                    builder, data_files=list(self.data_files), split="train", streaming=True, **kwargs
+                )
+            else:
+                kwargs = {}
+                if self.revision is not None:
+                    kwargs["revision"] = self.revision
+                base = datasets.load_dataset(
+                    self.dataset, self.dataset_config, split=self.split, streaming=True, **kwargs
+                )
+        except Exception as e:
+            raise DataError(f"could not open {self.name}: {type(e).__name__}: {e}") from e
+        if not isinstance(base, datasets.IterableDataset):
+            raise DataError(f"{self.name}: expected a streaming IterableDataset, got {type(base).__name__}")
+        self._base = base
+        return base
+
+    @property
+    def num_shards(self) -> int:
+        return self.open().num_shards
+
+    def reshard(self) -> bool:
+        """Split shards further (parquet row groups). Returns whether the number of shards grew."""
+        base = self.open()
+        try:
+            new = base.reshard()
+        except Exception as e:  # e.g. unreadable metadata: keep file-level shards
+            log.warning("could not reshard %s (%s); keeping %d shards", self.name, e, base.num_shards)
+            return False
+        if new.num_shards > base.num_shards:
+            self._base, self.resharded = new, True
+            return True
+        return False
+
+    def shard(self, i: int):
+        base = self.open()
+        return base.shard(num_shards=base.num_shards, index=i, contiguous=True)
+
+    def describe(self, i: int, shard_ds=None) -> str:
+        """Human-readable name of shard i (the file when it can be found)."""
+        try:
+            ds = shard_ds if shard_ds is not None else self.shard(i)
+            kw = ds._ex_iterable.kwargs  # best effort, private API
+            files = kw.get("base_files") or kw.get("files") or kw.get("original_files")
+            if files:
+                f = str(files[0])
+                rgs = kw.get("row_groups_list")
+                if self.resharded and rgs and rgs[0] is not None:
+                    return f"file {f} (row groups {list(rgs[0])})"
+                return f"file {f}"
+        except Exception:
+            pass
+        if self.data_files is not None and not self.resharded and len(self.data_files) == self.num_shards:
+            return f"file {self.data_files[i]}"
+        return f"shard {i} of {self.name}"
+
+    def iter_texts(self, i: int, doc_batch_size: int, state: dict | None = None):
+        """Yield ``(texts, hf_state_after)`` for shard i, resuming from ``state``. Errors name the shard."""
+        ds = self.shard(i)
+        desc = self.describe(i, ds)
+        if state is not None:
+            ds.load_state_dict(state)
+        it = ds.iter(batch_size=doc_batch_size)
+        first = True
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise DataError(f"could not read {desc} of {self.name}: {type(e).__name__}: {e}") from e
+            if self.text_column not in batch:
+                raise DataError(
+                    f"{desc}: no column {self.text_column!r} (data.text_column); columns found: {sorted(batch)}"
+                )
+            texts = batch[self.text_column]
+            if first:
+                bad = next((t for t in texts if t is not None and not isinstance(t, str)), None)
+                if bad is not None:
+                    raise DataError(
+                        f"{desc}: column {self.text_column!r} must hold strings, found {type(bad).__name__}"
+                    )
+                first = False
+            yield texts, ds.state_dict()

@@ -1,0 +1,16 @@
+"""The benchmark tasks by name: ``TASK_NAMES`` and their :class:`~qat_app.eval.spec.TaskSpec` (one module each)."""
+
+from __future__ import annotations
+
+from qat_app.eval import arc, hellaswag, mmlu
+from qat_app.eval.spec import TaskSpec
+
+TASK_NAMES: tuple[str, ...] = ("arc_challenge", "hellaswag", "mmlu")
+
+TASK_SPECS: dict[str, TaskSpec] = {spec.name: spec for spec in (arc.SPEC, hellaswag.SPEC, mmlu.SPEC)}
+
+
+def task_spec(task: str) -> TaskSpec:
+    if task not in TASK_SPECS:
+        raise ValueError(f"unknown benchmark task {task!r}; known tasks: {', '.join(TASK_NAMES)}")
+    return TASK_SPECS[task]

@@ -1,0 +1,7 @@
+"""``python -m qat_app.export --ckpt CKPT --out DIR [--format hif8|hf] ...`` (the same as ``python main.py export``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""What both exports share: the model behind a QATModule, its layers' recipe, the staging directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import QuantConfig
+from ..hif8.linear import HiF8Linear
+from .layout import ExportError
+
+log = logging.getLogger("qat_app.export")
+
+
+def unwrap(module_or_model) -> tuple[nn.Module, Any, dict]:
+    """-> (HF model, tokenizer or None, info) for a QATModule (anything with ``.model``) or a bare model."""
+    from transformers import PreTrainedModel
+
+    if isinstance(module_or_model, PreTrainedModel):
+        return module_or_model, None, {}
+    inner = getattr(module_or_model, "model", None)
+    if isinstance(inner, nn.Module) and hasattr(inner, "config"):
+        hparams = dict(getattr(module_or_model, "hparams", {}) or {})
+        info = {k: hparams[k] for k in ("model_name", "trust_remote_code") if k in hparams}
+        return inner, getattr(module_or_model, "tokenizer", None), info
+    if isinstance(module_or_model, nn.Module) and hasattr(module_or_model, "config"):
+        return module_or_model, None, {}
+    raise TypeError(
+        f"expected a QATModule or a Hugging Face model, got {type(module_or_model).__name__}"
+    )
+
+
+def quant_of(model: nn.Module, layers: list[tuple[str, HiF8Linear]]) -> QuantConfig:
+    """The layers' common recipe and runtime options, as the flat QuantConfig the layout records."""
+    first = layers[0][1]
+    for name, layer in layers[1:]:
+        if (layer.recipe, layer.runtime) != (first.recipe, first.runtime):
+            raise ExportError(f"layer {name} has a different recipe than {layers[0][0]}: mixed recipes are not supported")
+    return QuantConfig.from_layer_options(first.recipe, first.runtime)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN == NaN, same shape and dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
+
+
+class StagingDir:
+    """Write into a temporary sibling of ``out_dir`` and rename it into place on success."""
+
+    def __init__(self, out_dir: str | os.PathLike, overwrite: bool) -> None:
+        self.target = Path(out_dir).expanduser().absolute()
+        if self.target.exists():
+            if not self.target.is_dir():
+                raise FileExistsError(f"{self.target} exists and is not a directory")
+            if any(self.target.iterdir()) and not overwrite:
+                raise FileExistsError(f"{self.target} already exists and is not empty; pass --overwrite (overwrite=True) to replace it")
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.path: Path | None = None
+
+    def __enter__(self) -> Path:
+        self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.tmp-", dir=str(self.target.parent)))
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self.path is not None
+        if exc_type is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.path, 0o777 & ~umask)
+        old = None
+        if self.target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.old-", dir=str(self.target.parent)))
+            os.rename(self.target, old / "x")
+        os.rename(self.path, self.target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model_files(model: nn.Module, tokenizer, directory: Path) -> None:
+    """config.json, generation_config.json, remote code, tokenizer (no weights)."""
+    model.config.save_pretrained(str(directory))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        try:
+            generation_config.save_pretrained(str(directory))
+        except Exception as err:  # pragma: no cover - an invalid generation config must not stop the export
+            log.warning("generation_config not saved: %s", err)
+    if getattr(model, "_auto_class", None) is not None:  # trust_remote_code models: copy their code
+        from transformers.dynamic_module_utils import custom_object_save
+
+        custom_object_save(model, str(directory), config=model.config)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))

@@ -1,0 +1,73 @@
+"""The plain Hugging Face export: :func:`export_hf` (quantizers removed; lm-eval / ``from_pretrained`` load it)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ..hif8.fake_quant import dequantize_codes
+from ..hif8.patch import dequantize_model, quantized_linears
+from ..models import resolve_dtype
+from .common import StagingDir, quant_of, unwrap
+from .layout import HF_EXPORT_INFO
+from .writer import quantize_weight
+
+log = logging.getLogger("qat_app.export")
+
+
+def export_hf(
+    module_or_model,
+    out_dir: str | os.PathLike,
+    *,
+    weights: str = "master",
+    dtype: str | torch.dtype | None = None,
+    compute_dtype: str | torch.dtype | None = None,
+    tokenizer=None,
+    overwrite: bool = False,
+) -> Path:
+    """Save a plain Hugging Face directory (quantizers removed) that lm-eval / ``from_pretrained`` load.
+
+    Args:
+        weights: ``master`` (the trained high-precision weights, as ``dequantize_model`` gives them) or
+            ``quantized`` (each weight-quantized linear holds ``decode(codes) / scale``: the weights on
+            the 8-bit grid the QAT forward pass used; activations are not quantized by plain HF code).
+        dtype: parameter dtype of the saved model (default: unchanged).
+        compute_dtype: as in :func:`export_hif8` (only for ``weights="quantized"``).
+    The given model is not modified (a copy is dequantized).
+    """
+    if weights not in ("master", "quantized"):
+        raise ValueError(f"weights must be 'master' or 'quantized', got {weights!r}")
+    model, module_tokenizer, info = unwrap(module_or_model)
+    tokenizer = tokenizer if tokenizer is not None else module_tokenizer
+    staging = StagingDir(out_dir, overwrite)  # refuse an existing export before copying anything
+    plain = copy.deepcopy(model)
+    cdtype = resolve_dtype(compute_dtype) if compute_dtype is not None else None
+    layers = quantized_linears(plain)
+    if weights == "quantized":
+        with torch.no_grad():
+            for _, layer in layers:
+                if layer.quantize_weights:
+                    codes, scale, _ = quantize_weight(layer, cdtype or layer.weight.dtype)
+                    layer.weight.copy_(dequantize_codes(codes, scale, layer.recipe.format, layer.weight.dtype))
+    count = dequantize_model(plain)
+    if dtype is not None:
+        plain.to(resolve_dtype(dtype))
+    plain.eval()
+    with staging as tmp:
+        plain.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / HF_EXPORT_INFO).write_text(json.dumps({
+            "exported_by": "qat_app.export.export_hf",
+            "source": info.get("model_name"),
+            "dequantized_layers": count,
+            "weights": weights,
+            "quant": quant_of(plain, layers).to_dict() if layers else None,
+        }, indent=1))
+    log.info("HF export: %d HiF8 linears replaced by plain ones (%s weights) in %s", count, weights, out_dir)
+    return Path(out_dir)

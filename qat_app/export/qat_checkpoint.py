@@ -1,0 +1,47 @@
+"""The source of the command-line export: a ``QATModule`` restored from a Lightning checkpoint."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+from ..config import QuantConfig
+from ..errors import CheckpointError
+
+
+def load_qat_checkpoint(path: str | os.PathLike):
+    """A ``QATModule`` restored from a Lightning checkpoint (hyper-parameters + state dict), in eval mode.
+
+    Raises :class:`qat_app.errors.CheckpointError` naming the file when it is unreadable or truncated, or
+    not a QATModule checkpoint.
+    """
+    from ..checkpoint import load_checkpoint_file
+    from ..module import CHECKPOINT_KEY, QATModule
+
+    path = str(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (--ckpt)")
+    # the hyper-parameters hold a QuantConfig object: a full (not weights-only) unpickling is needed
+    ckpt = load_checkpoint_file(path, weights_only=False)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
+    hparams = ckpt.get("hyper_parameters") or {}
+    state = ckpt["state_dict"]
+    if "model_name" not in hparams or not any(k.startswith("model.") for k in state):
+        marker = " (it has no qat_app entry either)" if CHECKPOINT_KEY not in ckpt else ""
+        raise CheckpointError(
+            f"{path} is not a QATModule checkpoint: it needs hyper-parameters with 'model_name' and a state dict "
+            f"under 'model.' (found hyper-parameters {sorted(hparams)[:8]}){marker}"
+        )
+    accepted = set(inspect.signature(QATModule.__init__).parameters) - {"self"}
+    kwargs = {k: v for k, v in dict(hparams).items() if k in accepted}
+    quant = kwargs.get("quant")
+    if quant is not None and not isinstance(quant, QuantConfig):
+        kwargs["quant"] = QuantConfig(**(vars(quant) if hasattr(quant, "__dict__") else dict(quant)))
+    module = QATModule(**kwargs)
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{path}: the state dict does not fit the QATModule its hyper-parameters describe: {err}") from None
+    module.eval()
+    return module

@@ -1,0 +1,172 @@
+"""The 8-bit HiF8 checkpoint reader: :func:`load_hif8` and its quantized layers, :class:`HiF8ExportedLinear`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import QuantConfig
+from ..hif8.fake_quant import dequantize_codes
+from ..hif8.linear import HiF8Linear
+from ..hif8.patch import _set_submodule, quantized_linears
+from ..models import resolve_dtype
+from .layout import LAYOUT_FILE, ROLE_BUFFER, ROLE_CODES, ROLE_SCALE, ExportError, read_layout, read_weights
+
+class HiF8ExportedLinear(HiF8Linear):
+    """A ``HiF8Linear`` loaded from an 8-bit export; its weight holds ``decode(codes) / scale``.
+
+    In eval mode, while the weight is the loaded one (moving the model to another device or dtype keeps
+    it; any in-place change or a new parameter does not), the forward pass uses it directly, cast to the
+    compute dtype, which is exactly the fake-quantized weight of the exported QAT model. Otherwise
+    (training mode, or a changed weight) it behaves as ``HiF8Linear``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._exported_key: tuple | None = None
+
+    # (parameter identity, in-place version): survives .to(device/dtype), changes with any in-place update
+    def mark_exported(self) -> None:
+        self._exported_key = (id(self.weight), self.weight._version)
+
+    @property
+    def uses_exported_weight(self) -> bool:
+        return self._exported_key == (id(self.weight), self.weight._version)
+
+    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype):
+        if self.quantize_weights and not self.training and self._exported_key == (id(weight), weight._version):
+            return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
+        return super().quantized_weight(weight, dtype)
+
+
+def _build_model(out_dir: Path, layout: dict, dtype, trust_remote_code: bool | None) -> nn.Module:
+    """The model of ``config.json``, uninitialized (every tensor is loaded afterwards, strictly checked)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+
+    remote = layout.get("trust_remote_code", False) if trust_remote_code is None else trust_remote_code
+    if not (out_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{out_dir / 'config.json'}: missing (named by {out_dir / LAYOUT_FILE})")
+    config = AutoConfig.from_pretrained(str(out_dir), trust_remote_code=remote)
+    model_dtype = resolve_dtype(dtype or layout["model_dtype"])
+    # every parameter and buffer is overwritten below (strictly checked): skip the random init
+    with no_init_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=model_dtype, trust_remote_code=remote)
+
+
+def _patch_layers(model: nn.Module, layout: dict, layout_path: Path) -> None:
+    """Patch exactly the layers the layout lists, with the saved recipe."""
+    try:
+        quant = QuantConfig(**layout["quant"])
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"{layout_path}: invalid quant settings: {err}") from None
+    recorded = list(layout["quantized_layers"])
+    modules = dict(model.named_modules())
+    missing = [name for name in recorded if name not in modules]
+    if missing:
+        raise ExportError(
+            f"{layout_path} does not match the model built from config.json: {len(missing)} of the "
+            f"{len(recorded)} quantized layers it lists are not in the model (e.g. {missing[:3]})"
+        )
+    for name in recorded:
+        _set_submodule(model, name, HiF8ExportedLinear.from_linear(modules[name], **quant.layer_options()))
+
+
+def _state_dict(model: nn.Module, layout: dict, tensors: dict[str, torch.Tensor], layout_path: Path) -> dict[str, Any]:
+    """The model's full state dict from the stored tensors: quantized weights as ``decode(codes) / scale``."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    state: dict[str, Any] = {}
+    for key, entry in layout["tensors"].items():
+        if entry["role"] in (ROLE_CODES, ROLE_SCALE, ROLE_BUFFER):
+            continue
+        target = params.get(key, buffers.get(key))
+        value = tensors[key]
+        if target is not None and value.is_floating_point() and target.is_floating_point():
+            value = value.to(target.dtype)
+        state[key] = value
+    for name, record in layout["quantized_layers"].items():
+        layer = model.get_submodule(name)
+        if record.get("weight") == "codes":
+            codes, scale = tensors[record["codes"]], tensors[record["scale"]]
+            if codes.dtype != torch.uint8 or list(codes.shape) != list(layer.weight.shape) or scale.numel() != 1:
+                raise ExportError(
+                    f"{layout_path} does not match the model: {name} codes {codes.dtype}{list(codes.shape)} / scale "
+                    f"{list(scale.shape)} for a weight of shape {list(layer.weight.shape)}"
+                )
+            # float32 decode(codes)/scale, then the parameter dtype: the QAT forward casts the same
+            # float32 value to its compute dtype, so the forward sees identical weights
+            state[f"{name}.weight"] = dequantize_codes(codes, scale.reshape(()), record["format"], layer.weight.dtype)
+        state[f"{name}._extra_state"] = record["extra_state"]
+    for alias, target in layout["aliases"].items():
+        if target not in state:
+            raise ExportError(f"{layout_path}: alias {alias} -> {target}, but {target} is not stored")
+        state[alias] = state[target]
+    return state
+
+
+def _restore_buffers(model: nn.Module, layout: dict, tensors: dict[str, torch.Tensor], layout_path: Path) -> None:
+    """The non-persistent buffers as the exported model used them."""
+    for key, entry in layout["tensors"].items():
+        if entry["role"] != ROLE_BUFFER:
+            continue
+        owner, _, buffer = key.rpartition(".")
+        try:
+            module = model.get_submodule(owner) if owner else model
+        except AttributeError:
+            module = None
+        if module is None or buffer not in module._buffers:
+            raise ExportError(f"{layout_path} does not match the model built from config.json: it has no buffer {key}")
+        module._buffers[buffer] = tensors[key]
+
+
+def _restore_scaler_flags(model: nn.Module, layout: dict) -> None:
+    """The host-side ``has_history`` flag of every scaler (not in the state dict)."""
+    for name, record in layout["quantized_layers"].items():
+        layer = model.get_submodule(name)
+        for scaler_name, has_history in record.get("has_history", {}).items():
+            scaler = getattr(layer, scaler_name, None)
+            if scaler is not None:
+                scaler.has_history = bool(has_history)
+                scaler.version += 1
+
+
+def load_hif8(
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool | None = None,
+) -> nn.Module:
+    """Rebuild the QAT model of an :func:`export_hif8` directory (eval mode, quantized layers patched).
+
+    ``dtype``: parameter dtype of the rebuilt model (default: the exported model's). The tokenizer, if
+    one was exported, loads with ``AutoTokenizer.from_pretrained(out_dir)``.
+    """
+    out_dir = Path(out_dir)
+    layout = read_layout(out_dir)
+    layout_path = out_dir / LAYOUT_FILE
+    tensors = read_weights(out_dir, layout)
+    model = _build_model(out_dir, layout, dtype, trust_remote_code)
+    _patch_layers(model, layout, layout_path)
+    state = _state_dict(model, layout, tensors, layout_path)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ExportError(f"{layout_path} does not match the model built from {out_dir / 'config.json'}: {err}") from None
+    _restore_buffers(model, layout, tensors, layout_path)
+    _restore_scaler_flags(model, layout)
+    model.to(device)
+    for _, layer in quantized_linears(model):
+        if isinstance(layer, HiF8ExportedLinear):
+            layer.mark_exported()
+    model.eval()
+    return model

@@ -1,0 +1,229 @@
+"""The 8-bit HiF8 checkpoint writer: :func:`export_hif8` (and :func:`quantize_weight`, the codes of one weight)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import QuantConfig
+from ..hif8.fake_quant import dequantize_codes
+from ..hif8.linear import HiF8Linear
+from ..hif8.patch import quantized_linears
+from ..hif8.scaling import AmaxScaler
+from ..models import resolve_dtype
+from .common import StagingDir, quant_of, same, save_model_files, unwrap
+from .layout import (LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE, ROLE_OTHER,
+                     ROLE_SCALE, ROLE_SCALER, SCALER_NAMES, WEIGHTS_FILE, ExportError, dtype_name)
+
+log = logging.getLogger("qat_app.export")
+
+
+@torch.no_grad()
+def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight as the QAT forward pass quantizes it -> (uint8 codes, float32 scalar scale, dequantized).
+
+    The scale is the weight scaler's choice (:meth:`AmaxScaler.quantize`, as in training). Plain torch
+    (``fused="off"``), which is bit-identical to the compiled kernel. ``dequantized`` is in
+    ``compute_dtype`` (default: the weight's dtype) and equals ``(decode(codes) / scale).to(compute_dtype)``.
+    """
+    dtype = compute_dtype or layer.weight.dtype
+    w = layer.weight.detach().to(dtype)
+    result, scale = layer.weight_scaler.quantize(w, layer.format, want_codes=True, fused="off")
+    scale = scale.detach().float().reshape(()).clone()
+    return result.codes, scale, result.dequantized
+
+
+def _scaler_pairs(layer: HiF8Linear) -> list[tuple[str, AmaxScaler]]:
+    return [(n, getattr(layer, n)) for n in SCALER_NAMES if getattr(layer, n, None) is not None]
+
+
+class _Tensors:
+    """The tensors of the safetensors file and their layout entries, in the order they were added."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.entries: dict[str, dict] = {}
+
+    def add(self, key: str, tensor: torch.Tensor, role: str, source: torch.Tensor | None = None) -> None:
+        self.tensors[key] = tensor.detach().contiguous().cpu()
+        entry = {"role": role, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        if source is not None:
+            entry["source_dtype"] = dtype_name(source.dtype)
+        self.entries[key] = entry
+
+    def add_stored(self, key: str, value: torch.Tensor, storage_dtype: torch.dtype) -> bool:
+        """A floating tensor in ``storage_dtype`` (role dense) -> whether that is lossless."""
+        stored = value.detach().to(storage_dtype)
+        self.add(key, stored, ROLE_DENSE, value)
+        return same(stored.to(value.dtype), value.detach())
+
+    def _bytes(self, *roles: str, per_element: int | None = None) -> int:
+        return sum(self.tensors[k].numel() * (per_element or self.tensors[k].element_size())
+                   for k, e in self.entries.items() if e["role"] in roles)
+
+    def bytes_by_role(self) -> dict[str, int]:
+        return {
+            "codes": sum(self.tensors[k].numel() for k, e in self.entries.items() if e["role"] == ROLE_CODES),
+            "scales": self._bytes(ROLE_SCALE, per_element=4),
+            "dense": self._bytes(ROLE_DENSE),
+            "scaler_state": self._bytes(ROLE_SCALER),
+            "other": self._bytes(ROLE_OTHER, ROLE_BUFFER),
+        }
+
+
+def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.dtype,
+               storage_dtype: torch.dtype) -> tuple[dict[str, Any], bool]:
+    """One quantized linear: its weight as codes + scale (or dense, weight quantization off) -> (record, lossless)."""
+    record: dict[str, Any] = {
+        "format": layer.recipe.format,
+        "shape": list(layer.weight.shape),
+        "source_type": layer.source_type,
+        "weight_dtype": dtype_name(layer.weight.dtype),
+        "compute_dtype": dtype_name(layer_dtype),
+        "extra_state": layer.get_extra_state(),
+        "has_history": {s: scaler.has_history for s, scaler in _scaler_pairs(layer)},
+    }
+    if not layer.quantize_weights:
+        log.warning("%s: weight quantization is off (exported inside the BF16 warmup?): stored in %s", name, storage_dtype)
+        lossless = out.add_stored(f"{name}.weight", layer.weight, storage_dtype)
+        record.update(weight="dense")
+        return record, lossless
+    codes, scale, dequantized = quantize_weight(layer, layer_dtype)
+    check = dequantize_codes(codes, scale, layer.recipe.format, layer_dtype)
+    if not same(check, dequantized):  # cannot happen: decode is exact; guards format changes
+        raise ExportError(f"{name}: decode(codes)/scale does not reproduce the fake-quantized weight")
+    out.add(f"{name}.weight.codes", codes, ROLE_CODES, layer.weight)
+    out.add(f"{name}.weight.scale", scale, ROLE_SCALE)
+    record.update(weight="codes", codes=f"{name}.weight.codes", scale=f"{name}.weight.scale")
+    return record, True
+
+
+def _add_state(out: _Tensors, state: dict, layer_keys: set[str], quantized: dict[str, dict],
+               storage_dtype: torch.dtype) -> tuple[dict[str, str], bool]:
+    """Every other state-dict tensor (scaler state unchanged, floats in ``storage_dtype``, shared storage
+    once) -> (aliases, lossless)."""
+    aliases: dict[str, str] = {}
+    lossless = True
+    seen: dict[tuple, str] = {}
+    for key, value in state.items():
+        if key in layer_keys or not isinstance(value, torch.Tensor):
+            continue
+        identity = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype) if value.numel() else None
+        if identity is not None and identity in seen:
+            aliases[key] = seen[identity]
+            continue
+        if identity is not None:
+            seen[identity] = key
+        owner = key.rpartition(".")[0]
+        if owner.rpartition(".")[2] in SCALER_NAMES and owner.rpartition(".")[0] in quantized:
+            out.add(key, value, ROLE_SCALER)
+        elif value.is_floating_point():
+            lossless &= out.add_stored(key, value, storage_dtype)
+        else:
+            out.add(key, value, ROLE_OTHER)
+    return aliases, lossless
+
+
+def _add_nonpersistent_buffers(out: _Tensors, model: nn.Module, state: dict) -> None:
+    """Rotary inv_freq & co: tiny; stored as the model used them (dtype included), so the rebuilt model does
+    not depend on how its constructor or weight init computes them."""
+    for key, buf in model.named_buffers():
+        if key not in state and key not in out.entries:
+            out.add(key, buf, ROLE_BUFFER)
+
+
+def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, *, weights_bytes: int,
+            model_dtype: torch.dtype, storage_dtype: torch.dtype, lossless: bool, quantized: dict,
+            aliases: dict) -> dict:
+    return {
+        "format": LAYOUT_FORMAT,
+        "version": LAYOUT_VERSION,
+        "weights_file": WEIGHTS_FILE,
+        "weights_file_bytes": weights_bytes,
+        "model_class": type(model).__name__,
+        "model_dtype": dtype_name(model_dtype),
+        "storage_dtype": dtype_name(storage_dtype),
+        "lossless": lossless,
+        "trust_remote_code": bool(info.get("trust_remote_code", False) or getattr(model, "_auto_class", None)),
+        "source": info.get("model_name"),
+        "quant": quant.to_dict(),
+        "quantized_layers": quantized,
+        "aliases": aliases,
+        "tensors": out.entries,
+        "bytes": out.bytes_by_role(),
+    }
+
+
+def export_hif8(
+    module_or_model,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    compute_dtype: str | torch.dtype | None = None,
+    tokenizer=None,
+    overwrite: bool = False,
+) -> dict:
+    """Save a HiF8 QAT model (QATModule or patched HF model) as an 8-bit checkpoint; returns the layout.
+
+    Args:
+        dtype: storage dtype of every unquantized floating tensor (BF16 by default; ``"float32"`` for a
+            lossless copy of a float32 model).
+        compute_dtype: dtype the QAT forward pass ran the quantized linears in (default: the weight's
+            dtype; ``"bfloat16"`` for bf16-mixed autocast with fp32 weights). The codes are those of
+            the weight cast to it.
+        tokenizer: saved with the model (default: the QATModule's tokenizer, if any).
+        overwrite: replace an existing non-empty ``out_dir``.
+    """
+    from safetensors.torch import save_file
+
+    model, module_tokenizer, info = unwrap(module_or_model)
+    tokenizer = tokenizer if tokenizer is not None else module_tokenizer
+    storage_dtype = resolve_dtype(dtype)
+    cdtype = resolve_dtype(compute_dtype) if compute_dtype is not None else None
+    layers = quantized_linears(model)
+    if not layers:
+        raise ExportError(
+            f"{type(model).__name__} has no HiF8Linear layer (quant.enabled=false?): nothing to store in 8 bits; "
+            "use export_hf (--format hf) for an unquantized model"
+        )
+    quant = quant_of(model, layers)
+    staging = StagingDir(out_dir, overwrite)  # refuse an existing export before any work
+    state = model.state_dict()
+
+    out = _Tensors()
+    quantized: dict[str, dict] = {}
+    layer_keys: set[str] = set()
+    lossless = True
+    for name, layer in layers:
+        layer_keys.update((f"{name}.weight", f"{name}._extra_state"))
+        quantized[name], layer_lossless = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype)
+        lossless &= layer_lossless
+    aliases, state_lossless = _add_state(out, state, layer_keys, quantized, storage_dtype)
+    lossless &= state_lossless
+    _add_nonpersistent_buffers(out, model, state)
+
+    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if not lossless:
+        log.warning(
+            "unquantized tensors of the %s model are not exactly representable in %s: the reloaded model will differ "
+            "from this one by that rounding (export with dtype=float32 for an exact copy)",
+            dtype_name(model_dtype), dtype_name(storage_dtype),
+        )
+    with staging as tmp:
+        weights_path = Path(tmp) / WEIGHTS_FILE
+        save_file(out.tensors, str(weights_path), metadata={"format": "pt", "qat_app_layout": LAYOUT_FILE})
+        save_model_files(model, tokenizer, tmp)
+        layout = _layout(model, info, quant, out, weights_bytes=weights_path.stat().st_size, model_dtype=model_dtype,
+                         storage_dtype=storage_dtype, lossless=lossless, quantized=quantized, aliases=aliases)
+        (tmp / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
+    log.info(
+        "HiF8 export: %d quantized linears (%d params in %d bytes of codes), %s in %s",
+        len(quantized), layout["bytes"]["codes"], layout["bytes"]["codes"], dtype_name(storage_dtype), out_dir,
+    )
+    return layout

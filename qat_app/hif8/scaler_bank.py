@@ -1,0 +1,228 @@
+"""Stacked scaler state: the buffers of many :class:`AmaxScaler` as rows of three tensors, and the
+per-optimizer-step protocol (sync, advance or discard, seed) as a few batched ops on them.
+
+A model has one scaler per quantized tensor (126 for the paper's openPangu, thousands with MoE
+experts). Advancing them one by one costs ~46 tiny kernels each; here every scaler's 0-d buffers are
+*views* into one float32 ``[9, n]`` and one int64 ``[9, n]`` matrix and its history a row of an
+``[n, H]`` matrix, so one step is ~40 ops whatever ``n`` (TransformerEngine's one fused amax/scale
+update, torchao's stacked delayed-scaling histories).
+
+Nothing changes for the rest of the code: each scaler still *has* its buffers (views), so the forward
+observes into them as before, ``state_dict`` and checkpoints keep the per-layer layout (older checkpoints
+load unchanged, into the views), and :meth:`AmaxScaler.advance` still works on one scaler. The bank only
+exists while the views do: ``model.to(...)`` replaces buffers, and the next batched call notices (a
+cheap identity check) and stacks again. The batched update is bit-identical to advancing each scaler.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .fake_quant import compute_scale
+from .scaling import AmaxScaler
+
+# Row order matters: the step accumulators come first in each matrix, so one slice zeroes them.
+F32_ROWS = ("step_amax", "step_seen", "step_clipped_anywhere", "a_hat", "scale", "last_amax", "last_a_hat",
+            "last_headroom", "min_headroom")
+I64_ROWS = ("step_clipped", "step_numel", "steps_recorded", "last_clipped", "last_numel", "total_clipped",
+            "total_numel", "saturation_events", "quantized_steps")
+_F = {name: i for i, name in enumerate(F32_ROWS)}
+_I = {name: i for i, name in enumerate(I64_ROWS)}
+
+
+def _data_parallel(group=None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+class ScalerBank:
+    """The stacked state of ``scalers`` (same algorithm, window, alpha, max_val, margin and device).
+
+    ``max_val`` is shared so the scale is computed exactly as one scaler computes it
+    (``max_val / a_hat`` with a Python scalar is ``reciprocal(a_hat) * max_val`` in torch).
+    """
+
+    def __init__(self, scalers: list[AmaxScaler]) -> None:
+        first = scalers[0]
+        self.algo, self.history_len, self.alpha, self.margin = first.algo, first.history_len, first.alpha, first.margin
+        self.max_val = first.max_val
+        self.scalers = list(scalers)
+        with torch.no_grad():
+            self.f32 = torch.stack([torch.stack([s._buffers[r] for s in scalers]) for r in F32_ROWS])
+            self.i64 = torch.stack([torch.stack([s._buffers[r] for s in scalers]) for r in I64_ROWS])
+            self.history = torch.stack([s._buffers["amax_history"] for s in scalers])
+        for i, scaler in enumerate(scalers):
+            for name, row in _F.items():
+                scaler._buffers[name] = self.f32[row, i]
+            for name, row in _I.items():
+                scaler._buffers[name] = self.i64[row, i]
+            scaler._buffers["amax_history"] = self.history[i]
+            scaler._bank = self
+        self._current_key: tuple | None = None
+        self._current_mask: torch.Tensor | None = None
+
+    def row(self, name: str) -> torch.Tensor:
+        return self.f32[_F[name]] if name in _F else self.i64[_I[name]]
+
+    def intact(self, scalers: list[AmaxScaler]) -> bool:
+        """Still the views of these scalers (no ``.to()`` / ``load`` replaced a buffer since)."""
+        return len(scalers) == len(self.scalers) and all(
+            a is b and a._buffers["amax_history"]._base is self.history for a, b in zip(scalers, self.scalers))
+
+    def _uses_current_scaling(self) -> torch.Tensor:
+        key = tuple(s.uses_current_scaling for s in self.scalers)
+        if key != self._current_key:  # changes only while histories fill: a host->device copy then
+            self._current_key = key
+            self._current_mask = torch.tensor(key, device=self.history.device)
+        return self._current_mask
+
+    # ------------------------------------------------------------------------------- the step
+    def sync_parts(self) -> torch.Tensor:
+        """``[step_amax, step_seen, clipped > 0]`` of every row, flat (for the one MAX all-reduce)."""
+        return torch.cat([self.f32[:2].reshape(-1), (self.row("step_clipped") > 0).float()])
+
+    def take_synced(self, flat: torch.Tensor) -> None:
+        n = len(self.scalers)
+        self.f32[:2].copy_(flat[: 2 * n].view(2, n))
+        self.row("step_clipped_anywhere").copy_(flat[2 * n: 3 * n])
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """:meth:`AmaxScaler.advance` for every row at once (same ops, same bits)."""
+        f, i, history = self.f32, self.i64, self.history
+        amax, seen, anywhere = f[0], f[1], f[2]
+        a_hat, scale = f[_F["a_hat"]], f[_F["scale"]]
+        step_clipped, step_numel = i[0], i[1]
+        valid = torch.isfinite(amax) & (seen > 0)
+        first = i[_I["steps_recorded"]] == 0
+        pushed = torch.cat([amax[:, None], history[:, :-1]], dim=1)
+        history.copy_(torch.where(valid[:, None], pushed, history))
+        f[_F["last_amax"]].copy_(amax)
+        last_a_hat = f[_F["last_a_hat"]]
+        last_a_hat.copy_(torch.where(self._uses_current_scaling(), amax, a_hat))
+        i[3:5].copy_(i[0:2])  # last_clipped, last_numel
+        i[5:7].add_(i[0:2])  # total_clipped, total_numel
+        quantized = step_numel > 0
+        i[_I["saturation_events"]].add_(((step_clipped > 0) | (anywhere > 0)).long())
+        i[_I["quantized_steps"]].add_(quantized.long())
+        headroom = torch.where(quantized & valid & (amax > 0), last_a_hat / amax, math.inf)
+        f[_F["last_headroom"]].copy_(headroom)
+        torch.minimum(f[_F["min_headroom"]], headroom, out=f[_F["min_headroom"]])
+        a_hat.copy_(torch.where(valid, self._estimate(history, amax, a_hat, first), a_hat))
+        i[_I["steps_recorded"]].add_(valid.long())
+        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale))
+        self.discard()
+        self._after_update()
+
+    def _estimate(self, history, amax, a_hat, first) -> torch.Tensor:
+        if self.algo == "max":
+            return history.amax(dim=1)
+        if self.algo == "exp_smooth":
+            return torch.where(first, amax, self.alpha * amax + (1.0 - self.alpha) * a_hat)
+        return history[:, 0]  # most_recent; current: what it saw last, for logging and fallback
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Forget this step's observations (a skipped step): two ops for all rows."""
+        self.f32[:3].zero_()
+        self.i64[:2].zero_()
+        for scaler in self.scalers:  # host mirrors, set past nn.Module.__setattr__ (slow at thousands of scalers)
+            scaler.__dict__["observed_this_step"] = False
+
+    @torch.no_grad()
+    def seed_history(self) -> None:
+        """:meth:`AmaxScaler.seed_history` for every row at once."""
+        history, recorded_steps = self.history, self.row("steps_recorded")
+        slots = torch.arange(self.history_len, device=history.device)
+        recorded = slots[None, :] < recorded_steps[:, None]
+        seen_max = torch.where(recorded, history, torch.zeros_like(history)).amax(dim=1, keepdim=True)
+        history.copy_(torch.where(recorded, history, seen_max))
+        a_hat, scale = self.row("a_hat"), self.row("scale")
+        if self.algo == "max":
+            a_hat.copy_(history.amax(dim=1))
+        elif self.algo in ("most_recent", "current"):
+            a_hat.copy_(history[:, 0])
+        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale))
+        for scaler in self.scalers:
+            scaler.__dict__["version"] += 1
+
+    def _after_update(self) -> None:
+        pending = [k for k, s in enumerate(self.scalers) if not s.has_history]
+        if pending:  # one sync per step, only until every row has recorded a step
+            recorded = (self.row("steps_recorded")[pending] > 0).tolist()
+            for k, has in zip(pending, recorded):
+                self.scalers[k].__dict__["has_history"] = has
+        for scaler in self.scalers:
+            scaler.__dict__["version"] += 1
+
+
+def banks(scalers: list[AmaxScaler]) -> list[ScalerBank]:
+    """The stacked banks of ``scalers`` (one per algorithm/window/alpha/max_val/margin/device), reused while intact."""
+    groups: dict[tuple, list[AmaxScaler]] = {}
+    for s in scalers:
+        key = (s.algo, s.history_len, s.alpha, s.max_val, s.margin, s._buffers["amax_history"].device)
+        groups.setdefault(key, []).append(s)
+    out = []
+    for members in groups.values():
+        bank = getattr(members[0], "_bank", None)
+        if bank is None or not bank.intact(members):
+            bank = ScalerBank(members)
+        out.append(bank)
+    return out
+
+
+@torch.no_grad()
+def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Make every data-parallel rank hold the same step amax: one MAX all-reduce on one flat buffer.
+
+    The buffer holds ``[step_amax, step_seen, step_clipped > 0]`` of every scaler (and, when given, the rank's
+    ``bad_step`` flag, 1.0 where its loss/gradient was non-finite). NaN is mapped to +inf first (a
+    MAX reduction may drop NaN); inf then marks the step invalid on every rank alike, so every rank
+    pushes the same value (or nothing) into its history and computes the same scale.
+
+    The flag makes the skip decision collective: under a sharded strategy (FSDP) each rank sees only
+    its own gradient shard, so one rank's NaN must skip the step everywhere. Returns the reduced flag
+    (``bad_step`` itself on one process), or None when no flag was given.
+
+    Uses ``torch.distributed`` on ``group`` (default: the world group, which DDP and FSDP both use);
+    a no-op without an initialised process group of more than one rank. The third entry makes a
+    saturation event (a step that clipped on any rank) count alike on every rank; the element counts
+    (clipped / quantized) stay per rank and are summed when logged (``scaling.sum_over_ranks``).
+    """
+    if not _data_parallel(group):
+        return bad_step
+    stacks = banks(scalers) if scalers else []
+    parts = [bank.sync_parts() for bank in stacks]
+    if bad_step is not None:
+        device = stacks[0].f32.device if stacks else bad_step.device
+        parts.append(bad_step.detach().float().reshape(1).to(device))
+    if not parts:
+        return bad_step
+    flat = torch.nan_to_num(torch.cat(parts).float(), nan=math.inf, posinf=math.inf)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    offset = 0
+    for bank in stacks:
+        size = 3 * len(bank.scalers)
+        bank.take_synced(flat[offset: offset + size])
+        offset += size
+    return None if bad_step is None else flat[-1].to(bad_step.device) > 0
+
+
+def advance_all(scalers: list[AmaxScaler]) -> None:
+    """Close one optimizer step for every scaler (after :func:`sync_step_amax`): batched."""
+    for bank in banks(scalers):
+        bank.advance()
+
+
+def discard_all(scalers: list[AmaxScaler]) -> None:
+    """Forget the step's observations of every scaler (a skipped step): batched."""
+    for bank in banks(scalers):
+        bank.discard()
+
+
+def seed_all(scalers: list[AmaxScaler]) -> None:
+    """:meth:`AmaxScaler.seed_history` for every scaler: batched."""
+    for bank in banks(scalers):
+        bank.seed_history()

@@ -1,0 +1,56 @@
+"""The paper's results table and figures from your own runs' logs (nothing is re-run).
+
+    python main.py report --baseline runs/bf16_baseline --qat runs/exp8 [runs/exp7 ...] [--initial DIR] \\
+        [--labels BASE exp8 exp7] [--out reports/exp8] [--layers layers.10.mlp.down_proj ...] [--force]
+    python -m qat_app.report ...            (the same)
+
+A run DIR holds a Lightning ``CSVLogger`` output: a version directory (``runs/x/logs/version_0``),
+the logger directory or the run root. All ``metrics.csv`` of one run (a resumed fit, a separate
+``main.py test``) are merged, later versions winning on a step logged twice; ``saturation_summary.json``
+and ``config.yaml`` come from the latest version that has one, per-example records
+(``benchmark_samples/<val|test>_step<NNNNNNN>.jsonl``) from every version (later wins).
+
+Three models per benchmark metric (``<split>/<task>/acc|acc_norm``, MMLU subjects and categories;
+``count`` is not a metric): the *initial* model (the baseline's step-0 validation, or ``--initial
+DIR``'s last records, e.g. a ``main.py validate`` run), the *baseline* and each *QAT* run at their
+last evaluation; compared as forgetting (initial -> baseline), quantization (baseline -> QAT) and
+total (initial -> QAT). Each difference (after - before, over the examples both evaluated, matched by
+(task, subject, doc_id)) gets a paired bootstrap 95% interval (:mod:`qat_app.stats`), McNemar's
+exact p and a verdict (``worse`` / ``within noise`` / ``better``: the interval below, around or above 0).
+Relative drop % = (before - after) / before * 100. Training-loss APE = mean over common logged steps of
+|loss_qat - loss_base| / loss_base * 100.
+
+Before comparing, each QAT run's config.yaml is checked against the baseline's: only quantization
+(``model.quant.*``, ``warmup.*``, ``saturation.*``) and bookkeeping paths may differ, and the last
+logged train step must match; otherwise :class:`ReportError` (``--force``: a warning, also in results.md).
+
+Written to ``--out``: results.md, results.csv (one row per run, metric, comparison), results.json
+(everything), loss_curves.png, amax_vs_ahat.png, saturation_heatmap.png (the warmup -> quantization switch is
+drawn on every step axis).
+
+Modules: :mod:`.runs` (reading a run: metrics, summary, config, records), :mod:`.compare` (evaluations,
+comparisons, checks, arithmetic), :mod:`.tables` (markdown / csv / json), :mod:`.figures`, :mod:`.build`
+(:func:`build_report`), :mod:`.cli` (:func:`main`).
+"""
+
+from .runs import (CONFIG_FILE, METRICS_FILE, PRECISION_NAMES, SAMPLES_DIR, SUMMARY_FILE, ReportError, Run,
+                   default_label, find_metrics_files, flatten, load_run, precision_name, quantized, read_config,
+                   read_metrics, read_samples, read_summary, warmup_switch_step)
+from .compare import (ALLOWED_CONFIG_DIFFERENCES, BENCHMARK_RE, COMPARISONS, REAL_METRICS, Evaluation, arc_check,
+                      benchmark_keys, check_pair, compare_metric, config_differences, evaluate_run, example_values,
+                      is_main_metric, loss_ape, relative_drop, saturation_stats)
+from .tables import CSV_COLUMNS, render_markdown, write_csv
+from .figures import FIGURES, a_hat_points, clipped_steps, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
+from .build import build_report
+from .cli import main
+
+__all__ = [
+    "ALLOWED_CONFIG_DIFFERENCES", "BENCHMARK_RE", "COMPARISONS", "CONFIG_FILE", "CSV_COLUMNS", "Evaluation",
+    "FIGURES", "METRICS_FILE", "PRECISION_NAMES", "REAL_METRICS", "ReportError", "Run", "SAMPLES_DIR",
+    "SUMMARY_FILE", "a_hat_points", "arc_check", "benchmark_keys", "build_report", "check_pair", "clipped_steps",
+    "compare_metric", "config_differences", "default_label", "evaluate_run", "example_values",
+    "find_metrics_files", "flatten", "is_main_metric", "load_run", "loss_ape", "main", "plot_amax",
+    "plot_heatmap", "plot_loss_curves", "precision_name", "quantized", "read_config", "read_metrics",
+    "read_samples", "read_summary", "relative_drop", "render_markdown", "saturation_stats", "select_tensors",
+    "warmup_switch_step", "write_csv",
+]

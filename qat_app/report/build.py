@@ -1,0 +1,133 @@
+""":func:`build_report`: load the runs, check them, compare them, write the tables and figures."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+from .. import stats
+from .compare import (arc_check, benchmark_keys, check_pair, compare_metric, evaluate_run, is_main_metric, loss_ape,
+                      saturation_stats)
+from .figures import FIGURES, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
+from .runs import ReportError, Run, last_value, default_label, load_run, precision_name, quantized, warmup_switch_step
+from .tables import json_safe, render_markdown, write_csv
+
+log = logging.getLogger("qat_app.report")
+
+
+def _default_qat_label(run: Run, path) -> str:
+    if run.config is None:
+        return default_label(path)
+    fmt = str(run.setting("model.quant.format", "hif8")).upper().replace("HIF8", "HiF8")
+    what = f"{fmt} W8A8, {precision_name(run)}" if quantized(run) else f"{precision_name(run)}, unquantized"
+    return f"{default_label(path)} ({what})"
+
+
+def build_report(
+    baseline_dir: str | os.PathLike,
+    qat_dirs: list[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    labels: list[str] | None = None,
+    layers: list[str] | None = None,
+    benchmarks: str | None = None,
+    ape_from_step: int = 0,
+    initial_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    resamples: int = stats.DEFAULT_RESAMPLES,
+    seed: int = stats.DEFAULT_SEED,
+) -> dict:
+    """Write results.md / results.csv / results.json and the three figures; returns the numbers."""
+    if not qat_dirs:
+        raise ReportError("give at least one QAT run (--qat DIR)")
+    labels = list(labels or [])
+    if labels and len(labels) not in (len(qat_dirs), len(qat_dirs) + 1):
+        raise ReportError(f"--labels: give {len(qat_dirs)} (QAT runs) or {len(qat_dirs) + 1} (baseline first) labels, got {len(labels)}")
+    base_label = labels.pop(0) if len(labels) == len(qat_dirs) + 1 else None
+    baseline = load_run(baseline_dir, base_label)
+    if base_label is None:
+        baseline.label = f"{precision_name(baseline)} baseline" if baseline.config else "baseline"
+    qats = []
+    for i, d in enumerate(qat_dirs):
+        run = load_run(d, labels[i] if labels else None)
+        run.label = labels[i] if labels else _default_qat_label(run, d)
+        qats.append(run)
+    seen: dict[str, int] = {}
+    for run in qats:  # unique labels
+        if run.label in seen or run.label == baseline.label:
+            seen[run.label] = seen.get(run.label, 1) + 1
+            run.label = f"{run.label}#{seen[run.label]}"
+        seen.setdefault(run.label, 1)
+    warnings = [w for run in qats for w in check_pair(baseline, run, force)]
+    warnings = list(dict.fromkeys(warnings))
+    for run in [baseline] + qats:
+        if not run.train_loss():
+            warnings.append(f"`{run.label}`: no train/loss rows in {', '.join(map(str, run.files))}")
+    initial_run = load_run(initial_dir, "initial") if initial_dir is not None else None
+    keys = benchmark_keys([baseline] + qats + ([initial_run] if initial_run else []), benchmarks)
+
+    if initial_run is not None:
+        initial = evaluate_run(initial_run, keys, None, f"--initial {initial_dir} (its last evaluation)")
+        b_name, i_name = baseline.setting("model.model_name"), initial_run.setting("model.model_name")
+        if b_name is not None and i_name is not None and b_name != i_name:
+            warnings.append(f"--initial {initial_dir} evaluated model.model_name {i_name!r}, the baseline started from {b_name!r}")
+    else:
+        initial = evaluate_run(baseline, keys, 0, f"the baseline's step-0 validation ({baseline.path})")
+        if not initial.records and not any(v is not None for v in initial.values.values()):
+            initial = None
+    for message in warnings:
+        log.warning("%s", message)
+    base_eval = evaluate_run(baseline, keys, None, "baseline")
+    forgetting = {k: compare_metric(k, initial, base_eval, resamples, seed) for k in keys} if initial else {}
+
+    results = []
+    for run in qats:
+        q_eval = evaluate_run(run, keys, None, run.label)
+        rows = []
+        for k in keys:
+            comps = {"forgetting": forgetting.get(k), "quantization": compare_metric(k, base_eval, q_eval, resamples, seed),
+                     "total": compare_metric(k, initial, q_eval, resamples, seed) if initial else None}
+            comps = {name: c for name, c in comps.items() if c is not None}
+            q = comps["quantization"]
+            rows.append({"metric": k, "initial": comps["total"]["from"] if initial else None, "baseline": q["from"],
+                         "qat": q["to"], "n": q["n"], "relative_drop_pct": q["relative_drop_pct"], "comparisons": comps})
+        main_drops = [r["relative_drop_pct"] for r in rows if is_main_metric(r["metric"]) and math.isfinite(r["relative_drop_pct"])]
+        ape, n = loss_ape(baseline.train_loss(), run.train_loss(), ape_from_step)
+        results.append({
+            "label": run.label, "path": str(run.path), "precision": precision_name(run),
+            "config": str(run.config_path) if run.config_path else None, "warmup_switch_step": warmup_switch_step(run),
+            "benchmarks": rows, "mean_relative_drop_pct": sum(main_drops) / len(main_drops) if main_drops else math.nan,
+            "train_loss_ape_pct": ape, "ape_common_steps": n, "final_train_loss": last_value(run.train_loss()),
+            "final_val_loss": run.last("val/loss"), "saturation": saturation_stats(run), "arc_check": arc_check(rows),
+        })
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = render_markdown(baseline, qats, initial, results, warnings, ape_from_step, resamples, seed)
+    (out / "results.md").write_text(markdown)
+    write_csv(out / "results.csv", results)
+    tensors = select_tensors(qats, layers)
+    figures = {FIGURES[0]: plot_loss_curves(out / FIGURES[0], baseline, qats, results),
+               FIGURES[1]: plot_amax(out / FIGURES[1], qats, tensors),
+               FIGURES[2]: plot_heatmap(out / FIGURES[2], qats)}
+    report = {
+        "baseline": {"label": baseline.label, "path": str(baseline.path), "precision": precision_name(baseline),
+                     "config": str(baseline.config_path) if baseline.config_path else None,
+                     "files": [str(f) for f in baseline.files], "final_train_loss": last_value(baseline.train_loss()),
+                     "final_val_loss": baseline.last("val/loss"), "benchmarks": {k: base_eval.values[k] for k in keys}},
+        "initial": {"source": initial.source, "records": {s: str(p) for s, p in initial.record_files.items()},
+                    "benchmarks": {k: forgetting[k]["from"] for k in keys}} if initial else None,
+        "qat": results,
+        "ci": {"method": "paired bootstrap, percentile", "level": stats.CONFIDENCE, "resamples": resamples, "seed": seed,
+               "test": "McNemar exact two-sided (acc metrics)"},
+        "warnings": warnings,
+        "ape_from_step": ape_from_step,
+        "amax_tensors": tensors,
+        "figures": figures,
+        "files": ["results.md", "results.csv", "results.json", *FIGURES],
+    }
+    (out / "results.json").write_text(json.dumps(json_safe(report), indent=1))
+    report["markdown"] = markdown
+    return report

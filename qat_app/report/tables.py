@@ -1,0 +1,147 @@
+"""The report's text outputs: results.md (markdown tables), results.csv, and strict-JSON values for results.json."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from .compare import COMPARISONS, Evaluation
+from .runs import CONFIG_FILE, SUMMARY_FILE, Run, last_value, precision_name, quantized
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return format(value, spec)
+
+
+def json_safe(value):
+    """NaN / inf -> None, paths -> str, recursively (results.json stays strict JSON)."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def _diff_cell(c: dict) -> str:
+    if c["difference"] is None:
+        return "–"
+    text = _fmt(c["difference"], "+.4f")
+    if c["ci_low"] is None:
+        return text + " (CI n/a)"
+    p = f", p={c['mcnemar_p']:.3g}" if c["mcnemar_p"] is not None else ""
+    return f"{text} [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]{p} **{c['verdict']}**"
+
+
+def _n_cell(c: dict) -> str:
+    if c["n"] is None:
+        return "–"
+    return str(c["n"]) if c["n"] == c["n_from"] == c["n_to"] else f"{c['n']} (of {c['n_from']} / {c['n_to']})"
+
+
+def _describe(run: Run) -> str:
+    if run.config is None:
+        return f"{run.path} (no {CONFIG_FILE})"
+    quant = (f"{str(run.setting('model.quant.format', 'hif8')).upper().replace('HIF8', 'HiF8')} W8A8, "
+             f"{run.setting('model.quant.amax_algo')} H={run.setting('model.quant.history_len')}, "
+             f"warmup {run.setting('warmup.warmup_steps', 0)}") if quantized(run) else "unquantized"
+    return f"{run.path} ({precision_name(run)}: trainer.precision {run.setting('trainer.precision')}; {quant}; {run.config_path})"
+
+
+def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, results: list[dict],
+                    warnings: list[str], ape_from_step: int, resamples: int, seed: int) -> str:
+    q_names = ", ".join(f"`{r.label}`" for r in qats)
+    lines = [f"# {q_names} vs `{baseline.label}`", "", f"- baseline `{baseline.label}`: {_describe(baseline)}"]
+    lines += [f"- QAT `{run.label}`: {_describe(run)}" for run in qats]
+    lines.append(f"- initial model: {initial.source}" if initial else
+                 "- initial model: **not available** (no step-0 benchmark evaluation in the baseline and no --initial): "
+                 "only the quantization difference is shown")
+    lines += [""] + [f"> **warning:** {w}" for w in warnings] + ([""] if warnings else [])
+    lines.append(f"Δ = after − before (negative: worse); [lo, hi] = paired bootstrap 95% CI of the difference of "
+                 f"means over the same examples ({resamples} resamples, seed {seed}); p = McNemar exact two-sided; "
+                 "a difference whose CI contains 0 is within noise. n = examples compared (\"n (of a / b)\": the runs evaluated "
+                 "different examples, their intersection is used). Rel. drop % = (baseline − QAT) / baseline × 100.")
+    notes: list[str] = []
+    for run, r in zip(qats, results):
+        comps = [c for c in COMPARISONS if initial or c == "quantization"]
+        head = (["Metric"] + (["initial"] if initial else []) + ["baseline", "QAT"]
+                + [f"{c} ({' → '.join(COMPARISONS[c]).replace('qat', 'QAT')})" for c in comps] + ["n", "rel. drop %"])
+        lines += ["", f"## `{run.label}`", "", "| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+        shown = [b for b in r["benchmarks"] if b["metric"].count("/") == 2]
+        for b in shown:
+            cells = [b["metric"]] + ([_fmt(b["initial"])] if initial else []) + [_fmt(b["baseline"]), _fmt(b["qat"])]
+            cells += [_diff_cell(b["comparisons"][c]) for c in comps]
+            cells += [_n_cell(b["comparisons"]["quantization"]), _fmt(b["relative_drop_pct"], ".2f")]
+            lines.append("| " + " | ".join(cells) + " |")
+            notes += [b["comparisons"][c]["ci_note"] for c in comps if b["comparisons"][c]["ci_note"]]
+        if len(shown) < len(r["benchmarks"]):
+            finer = len(r["benchmarks"]) - len(shown)
+            lines.append(f"| *{finer} per-subject metrics: results.csv / results.json* |" + " |" * (len(head) - 1))
+        if not r["benchmarks"]:
+            lines.append("| *no benchmark metrics (`val/<task>/acc`) logged* |" + " |" * (len(head) - 1))
+        else:
+            lines.append("| **mean relative drop** (main metrics) |" + " |" * (len(head) - 2) + f" {_fmt(r['mean_relative_drop_pct'], '.2f')} |")
+    notes = list(dict.fromkeys(notes))
+    lines += [""] * bool(notes) + [f"- CI n/a: {note}; point values only" for note in notes[:10]]
+    since = f", steps ≥ {ape_from_step}" if ape_from_step else ""
+    lines += ["", "## Training loss", "", f"| run | train-loss APE % (common steps{since}) | final train loss | final val loss |",
+              "|---|---:|---:|---:|",
+              f"| `{baseline.label}` | – | {_fmt(last_value(baseline.train_loss()))} | {_fmt(baseline.last('val/loss'))} |"]
+    lines += [f"| `{r['label']}` | {_fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']}) | "
+              f"{_fmt(r['final_train_loss'])} | {_fmt(r['final_val_loss'])} |" for r in results]
+    lines += ["", "## ARC-Challenge check (paper: quantization drop > 1 %)", ""]
+    for r in results:
+        for a in r["arc_check"]:
+            ci = f" [{a['ci_low']:+.4f}, {a['ci_high']:+.4f}], n={a['n']}" if a["ci_low"] is not None else " (CI n/a)"
+            lines.append(f"- `{r['label']}` {a['metric']}: drop {_fmt(a['relative_drop_pct'], '.2f')} % "
+                         f"({'>' if a['drop_gt_1pct'] else '≤'} 1 %), Δ {_fmt(a['difference'], '+.4f')}{ci}: **{a['verdict']}**")
+        if not r["arc_check"]:
+            lines.append(f"- `{r['label']}`: no ARC-Challenge metric logged")
+    lines += ["", "## Saturation", "", "| | " + " | ".join(f"`{r['label']}`" for r in results) + " |", "|---|" + "---:|" * len(results)]
+    sat_rows = [("clipped elements", "clipped", "d"), ("seen (quantized) elements", "seen", "d"),
+                ("clipped fraction", "clipped_frac", ".3e"), ("saturation events", "events", "d"),
+                ("layers that clipped", "layers_clipped", "d"), ("first clipped step", "first_clipped_step", "d"),
+                ("min headroom (a_hat / amax)", "min_headroom", ".4f"), ("quantized steps", "quantized_steps", "d")]
+    for title, key, spec in sat_rows:
+        cells = []
+        for r in results:
+            s = r["saturation"] or {}
+            value = s.get(key)
+            cells.append("never" if key == "first_clipped_step" and value is None and s.get("clipped") == 0 else _fmt(value, spec))
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    for r in results:
+        s = r["saturation"]
+        if s and s["tensors_clipped"]:
+            lines.append(f"\n`{r['label']}` tensors that clipped ({len(s['tensors_clipped'])}): "
+                         + ", ".join(f"`{t}`" for t in s["tensors_clipped"]))
+        if s and s["seen"] is None:
+            lines.append(f"\n`{r['label']}`: no {SUMMARY_FILE}; saturation from the per-step CSV columns.")
+    return "\n".join(lines) + "\n"
+
+
+CSV_COLUMNS = ["run", "metric", "comparison", "value", "from", "to", "difference", "ci_low", "ci_high",
+               "mcnemar_p", "verdict", "n", "relative_drop_pct"]
+
+
+def write_csv(path: Path, results: list[dict]) -> None:
+    """One row per (QAT run, metric, comparison), then the run's scalars (APE, losses, saturation) in ``value``."""
+    def cell(v):
+        return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else repr(v) if isinstance(v, float) else v
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in results:
+            for b in r["benchmarks"]:
+                for name, c in b["comparisons"].items():
+                    w.writerow({k: cell(v) for k, v in {**c, "run": r["label"], "metric": b["metric"], "comparison": name}.items()})
+            scalars = {"mean_relative_drop_pct": r["mean_relative_drop_pct"], "train_loss_ape_pct": r["train_loss_ape_pct"],
+                       "final_train_loss": r["final_train_loss"], "final_val_loss": r["final_val_loss"]}
+            scalars.update({f"saturation_{k}": v for k, v in (r["saturation"] or {}).items() if k not in ("source", "tensors_clipped")})
+            for name, value in scalars.items():
+                w.writerow({"run": r["label"], "metric": name, "value": cell(value),
+                            "n": r["ape_common_steps"] if name == "train_loss_ape_pct" else ""})

@@ -1,0 +1,74 @@
+"""The package layout: no import cycles between modules at import time, and no file over 500 lines."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("qat_app", "callbacks")
+MAX_LINES = 500
+
+
+def modules() -> dict[str, str]:
+    found = {}
+    for package in PACKAGES:
+        for directory, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(directory, name)
+                    dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def top_level_imports(name: str, path: str, known: set[str]) -> set[str]:
+    """Modules of ours imported when ``name`` is imported (module-level statements, not function bodies)."""
+    tree = ast.parse(open(path).read())
+    is_package = path.endswith("__init__.py")
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_package else name.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known}
+    out.discard(name)
+    return out
+
+
+def test_no_import_cycles():
+    found = modules()
+    graph = {name: top_level_imports(name, path, set(found)) for name, path in found.items()}
+    # a package's __init__ importing its own submodules is how packages work, not a cycle
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not (t.startswith(name + ".") and found[name].endswith("__init__.py"))}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node, stack):
+        state[node] = 1
+        for target in graph[node]:
+            if state.get(target) == 1:
+                cycles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target, stack + [target])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+    assert graph["qat_app.hif8.backends.base"] == set()  # the contract is a leaf
+
+
+def test_no_file_over_500_lines():
+    long = {path: n for path in modules().values() if (n := sum(1 for _ in open(path))) > MAX_LINES}
+    assert not long, long
