@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from lm_eval_compare import build_datamodule, load_model, run_lm_eval  # noqa: E402
+from lm_eval_compare import build_datamodule, load_model, run_lm_eval
 
-from qat_app.data.benchmarks import EMBEDDED_SMOLLM2  # noqa: E402
-from qat_app.eval.evaluator import evaluate  # noqa: E402
+from qat_app.data.benchmarks import EMBEDDED_SMOLLM2
+from qat_app.eval.evaluator import evaluate
 
 
 def time_ours(model, tokenizer, task, limit, seed, subjects, fewshot, batch_size, max_length):

@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from qat_app.config import QuantConfig  # noqa: E402
-from qat_app.export import checkpoint_bytes, export_hf, export_hif8, load_hif8  # noqa: E402
-from qat_app.models import EMBEDDED_MODEL, load_causal_lm  # noqa: E402
-from qat_app.config import quantize_model  # noqa: E402
-from qat_app.hif8.scaling import all_scalers  # noqa: E402
+from qat_app.config import QuantConfig
+from qat_app.export import checkpoint_bytes, export_hf, export_hif8, load_hif8
+from qat_app.models import EMBEDDED_MODEL, load_causal_lm
+from qat_app.config import quantize_model
+from qat_app.hif8.scaling import all_scalers
 
 
 def mib(n: int) -> str:

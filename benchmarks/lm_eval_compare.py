@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from qat_app.data.benchmarks import EMBEDDED_SMOLLM2, BenchmarkDataModule  # noqa: E402
-from qat_app.eval.evaluator import move_batch, score_batch  # noqa: E402
-from qat_app.eval.sources import local_data_root  # noqa: E402
-from qat_app.eval.tasks import TASK_SPECS  # noqa: E402
+from qat_app.data.benchmarks import EMBEDDED_SMOLLM2, BenchmarkDataModule
+from qat_app.eval.evaluator import move_batch, score_batch
+from qat_app.eval.sources import local_data_root
+from qat_app.eval.tasks import TASK_SPECS
 
 DEFAULT_MMLU_SUBJECTS = ["abstract_algebra", "anatomy", "college_biology", "high_school_geography"]
 

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from qat_app.hif8.backends.compiled import CompiledBackend  # noqa: E402
-from qat_app.hif8.fake_quant import dequantize_codes, fake_quantize  # noqa: E402
+from qat_app.hif8.backends.compiled import CompiledBackend
+from qat_app.hif8.fake_quant import dequantize_codes, fake_quantize
 
 
 def timed(fn, device: str, repeats: int) -> float:

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from qat_app.config import QuantConfig, quantize_model  # noqa: E402
-from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance  # noqa: E402
+from qat_app.config import QuantConfig, quantize_model
+from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance
 
 
 def build_model(args) -> torch.nn.Module:
