@@ -97,3 +97,34 @@ def test_patched_model_parameters_are_shared_not_copied(tiny_llama):
     quantize_model(tiny_llama, QuantConfig(high_precision_layers=0))
     after = {n: p.data_ptr() for n, p in tiny_llama.named_parameters()}
     assert before == after
+
+
+class _MyLinear(nn.Linear):  # like Falcon's FalconLinear: an nn.Linear subclass with its own forward
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class _OddLinear(nn.Linear):  # a constructor that is not nn.Linear's
+    def __init__(self, size: int, *, flag: bool):
+        super().__init__(size, size)
+        self.flag = flag
+
+
+def test_unpatch_restores_linear_subclasses():
+    from qat_app.hif8.recipe import RuntimeOptions
+
+    torch.manual_seed(0)
+    plain = _MyLinear(8, 4)
+    layer = HiF8Linear.from_linear(plain, runtime=RuntimeOptions(fused="off"))
+    restored = layer.to_float()
+    assert type(restored) is _MyLinear
+    assert restored.weight is plain.weight and restored.bias is plain.bias
+    x = torch.randn(3, 8)
+    assert torch.equal(restored(x), plain(x))
+
+    odd = HiF8Linear.from_linear(_OddLinear(4, flag=True), runtime=RuntimeOptions(fused="off"))
+    with pytest.warns(UserWarning, match="cannot rebuild _OddLinear"):
+        fallback = odd.to_float()
+    assert type(fallback) is nn.Linear and fallback.weight is odd.weight
+    # built directly (not from a module): a plain nn.Linear as before
+    assert type(HiF8Linear(4, 2).to_float()) is nn.Linear

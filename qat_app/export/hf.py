@@ -51,6 +51,8 @@ def export_hf(
     if weights == "quantized":
         with torch.no_grad():
             for _, layer in layers:
+                if not hasattr(layer, "weight"):  # an MoE expert's projection: weights stay the trained ones
+                    continue
                 if layer.quantize_weights:
                     codes, scale, _ = quantize_weight(layer, cdtype or layer.weight.dtype)
                     layer.weight.copy_(dequantize_codes(codes, scale, layer.recipe.format, layer.weight.dtype))

@@ -192,6 +192,12 @@ def export_hif8(
             f"{type(model).__name__} has no HiF8Linear layer (quant.enabled=false?): nothing to store in 8 bits; "
             "use export_hf (--format hf) for an unquantized model"
         )
+    experts = [name for name, layer in layers if not isinstance(layer, HiF8Linear)]
+    if experts:
+        raise ExportError(
+            f"{type(model).__name__} has quantized MoE experts ({experts[0].rsplit('.', 2)[0]}, ...): the 8-bit "
+            "export does not store per-expert codes yet; use export_hf (--format hf) for a plain HF directory"
+        )
     quant = quant_of(model, layers)
     staging = StagingDir(out_dir, overwrite)  # refuse an existing export before any work
     state = model.state_dict()

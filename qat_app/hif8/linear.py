@@ -66,7 +66,10 @@ class HiF8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Module, recipe: HiF8Recipe | None = None,
                     runtime: RuntimeOptions | None = None) -> "HiF8Linear":
-        """Wrap an existing nn.Linear (or transformers' Conv1D) sharing its parameters."""
+        """Wrap an existing nn.Linear (or transformers' Conv1D) sharing its parameters.
+
+        The module's class is recorded (``source_class``, e.g. Falcon's ``FalconLinear``, an nn.Linear
+        subclass) so :meth:`to_float` gives back that class, not a plain nn.Linear."""
         is_conv1d = type(linear).__name__ == "Conv1D"
         weight = linear.weight
         in_features, out_features = (weight.shape[0], weight.shape[1]) if is_conv1d else (weight.shape[1], weight.shape[0])
@@ -83,20 +86,32 @@ class HiF8Linear(nn.Linear):
         else:
             new.weight = weight
         new.bias = linear.bias
+        new.source_class = type(linear)
         new.train(linear.training)
         return new
 
     def to_float(self) -> nn.Module:
-        """The plain module with the same (unquantized, trained) weights: nn.Linear or Conv1D."""
+        """The plain module with the same (unquantized, trained) weights, of the class it was made from
+        (``source_class``: nn.Linear, an nn.Linear subclass such as ``FalconLinear``, or Conv1D)."""
+        source = getattr(self, "source_class", None)  # None: built directly, not by from_linear
+        bias = self.bias is not None
         if self.source_type == "conv1d":
-            from transformers.pytorch_utils import Conv1D
-
+            if source is None:
+                from transformers.pytorch_utils import Conv1D as source
             with torch.device("meta"):
-                plain = Conv1D(self.out_features, self.in_features)
+                plain = source(self.out_features, self.in_features)
             plain.weight = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=self.weight.requires_grad)
         else:
-            with torch.device("meta"):
-                plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+            source = source if source is not None else nn.Linear
+            try:
+                with torch.device("meta"):
+                    plain = source(self.in_features, self.out_features, bias=bias)
+            except TypeError as err:  # a subclass whose constructor is not nn.Linear's
+                import warnings
+
+                warnings.warn(f"cannot rebuild {source.__qualname__} ({err}); restored as nn.Linear", stacklevel=2)
+                with torch.device("meta"):
+                    plain = nn.Linear(self.in_features, self.out_features, bias=bias)
             plain.weight = self.weight
         plain.bias = self.bias
         plain.train(self.training)
@@ -234,6 +249,10 @@ class _HiF8LinearFunction(torch.autograd.Function):
             xq, x_codes, x_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
             out = F.linear(xq, plan.decode(w_saved, w_scale), b)
+        if out._base is not None:
+            # with a bias, F.linear of an N-D input returns a view (addmm, then a reshape): an output of a
+            # custom Function that is a view may not be modified in place (Falcon's `mlp_output += ...`)
+            out = out.clone()
         ctx.plan = plan
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.has_bias = bias is not None

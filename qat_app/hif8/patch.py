@@ -1,10 +1,12 @@
 """Model patching: swap the selected linears of an HF decoder for HiF8Linear, and back.
 
 Selection (the paper's layout by default): modules whose full name matches ``module_pattern``
-(MLP gate/up/down projections and their GPT-2/OPT/NeoX equivalents), inside decoder blocks found
+(MLP gate/up/down projections, Phi-3's fused gate_up_proj, and their GPT-2/OPT/Phi/NeoX/Falcon
+equivalents; see :data:`~qat_app.hif8.recipe.DEFAULT_MODULE_PATTERN`), inside decoder blocks found
 by ``block_pattern``, except the ``high_precision_layers`` boundary blocks: the first ceil(k/2)
-and the last floor(k/2) stay in high precision. Attention, embeddings, norms and lm_head are never
-touched by the default pattern.
+and the last floor(k/2) stay in high precision. Attention, embeddings, norms, lm_head and MoE
+routers are never touched by the default pattern. :func:`dequantize_model` gives every layer back
+as the class it was (nn.Linear, a subclass such as Falcon's ``FalconLinear``, or GPT-2's Conv1D).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .errors import SelectionError
+from .experts import HiF8Experts, QuantizedProjection, is_fused_experts
 from .linear import HiF8Linear
 from .recipe import HiF8Recipe, LayerSelection, RuntimeOptions
 
@@ -104,40 +107,59 @@ def convert_to_hif8_training(
     selection: LayerSelection | None = None,
     runtime: RuntimeOptions | None = None,
 ) -> QuantReport:
-    """Swap the selected linears for HiF8Linear in place (parameters are shared, not copied).
+    """Swap the selected linears for HiF8Linear, and the fused MoE experts modules of the same blocks for
+    HiF8Experts, in place (parameters are shared, not copied).
 
     Defaults: the paper's recipe (``max`` window of 64 steps, HiF8, max_val 15) on the MLP projections of
-    all but the 5 boundary blocks. Afterwards call :func:`qat_app.hif8.training.optimizer_step_done` once
+    all but the 5 boundary blocks. Afterwards call :func:`qat_app.hif8.training.sync_and_advance` once
     per optimizer step (and :func:`~qat_app.hif8.training.end_warmup` at the end of a BF16 warmup).
     """
     recipe, selection, runtime = recipe or HiF8Recipe(), selection or LayerSelection(), runtime or RuntimeOptions()
-    if any(isinstance(m, HiF8Linear) for m in model.modules()):
+    if any(isinstance(m, (HiF8Linear, HiF8Experts)) for m in model.modules()):
         raise ValueError("model is already quantized; call dequantize_model first")
-    selected, num_blocks, blocks = select_modules(model, selection)
-    report = QuantReport(num_blocks=num_blocks, quantized_blocks=[])
-    seen_blocks = set()
+    experts = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+    try:
+        selected, num_blocks, blocks = select_modules(model, selection)
+    except SelectionError:
+        if not experts or selection.filter_fn is not None:
+            raise
+        selected, num_blocks = [], count_blocks(model, selection.block_pattern)  # an MoE model: experts only
+        blocks = quantized_block_range(num_blocks, selection.high_precision_layers)
     block_regex = re.compile(selection.block_pattern)
+
+    def block_of(name: str) -> int | None:
+        found = block_regex.search(name + ".")
+        return int(found.group(1)) if found is not None else None
+
+    if selection.filter_fn is not None:
+        experts = [(name, m) for name, m in experts if selection.filter_fn(m, name)]
+    else:
+        experts = [(name, m) for name, m in experts if block_of(name) in blocks]
+    report = QuantReport(num_blocks=num_blocks, quantized_blocks=[])
     for name, module in selected:
         _set_submodule(model, name, HiF8Linear.from_linear(module, recipe, runtime))
         report.modules.append(name)
         report.num_params += module.weight.numel()
-        block = block_regex.search(name + ".")
-        if block is not None:
-            seen_blocks.add(int(block.group(1)))
-    report.quantized_blocks = sorted(seen_blocks)
+    for name, module in experts:
+        _set_submodule(model, name, HiF8Experts(module, recipe, runtime))
+        report.modules.append(name)
+        report.num_params += module.gate_up_proj.numel() + module.down_proj.numel()
+    report.quantized_blocks = sorted({b for b in map(block_of, report.modules) if b is not None})
     return report
 
 
 def dequantize_model(model: nn.Module) -> int:
-    """Replace every HiF8Linear by its plain module with the same weights; returns how many."""
-    names = [name for name, m in model.named_modules() if isinstance(m, HiF8Linear)]
+    """Replace every HiF8Linear by its plain module (its original class) with the same weights; returns how many."""
+    names = [name for name, m in model.named_modules() if isinstance(m, (HiF8Linear, HiF8Experts))]
     for name in names:
         _set_submodule(model, name, model.get_submodule(name).to_float())
     return len(names)
 
 
-def quantized_linears(model: nn.Module) -> list[tuple[str, HiF8Linear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, HiF8Linear)]
+def quantized_linears(model: nn.Module) -> list[tuple[str, HiF8Linear | QuantizedProjection]]:
+    """Every quantized matmul by name: the HiF8Linear layers and each MoE expert's projections
+    (``...mlp.experts.gate_up.3``); all have the same scalers, switches and weight cache."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (HiF8Linear, QuantizedProjection))]
 
 
 def set_quantization(

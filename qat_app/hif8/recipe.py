@@ -24,9 +24,22 @@ AMAX_ALGOS = ("most_recent", "exp_smooth", "max", "current")
 STE_MODES = ("identity", "clipped")
 FUSED_MODES = ("auto", "on", "off")
 
-# MLP projections of Llama/Qwen2/Mistral/OpenPangu (gate/up/down), GPT-2 (c_fc/c_proj inside .mlp),
-# OPT/Phi (fc1/fc2), GPT-NeoX (dense_h_to_4h/dense_4h_to_h). Matched against the module's full name.
-DEFAULT_MODULE_PATTERN = r"\.mlp\.(gate_proj|up_proj|down_proj|c_fc|c_proj|fc1|fc2|dense_h_to_4h|dense_4h_to_h)$"
+# The MLP projections (matched against the module's full name), never attention, embeddings, norms,
+# lm_head or routers:
+# * gate_proj/up_proj/down_proj under ``.mlp``: Llama, Qwen2/3, Mistral, Gemma 1-3, OLMo2, Granite,
+#   StableLM, SmolLM3, OpenPangu;
+# * gate_up_proj under ``.mlp``: Phi-3's fused gate+up projection. It is one linear, so it becomes one
+#   HiF8Linear: ONE per-tensor weight scale for the whole fused [2*intermediate, hidden] weight (gate
+#   and up rows share it) and one input scale (gate and up read the same input anyway);
+# * c_fc/c_proj under ``.mlp``: GPT-2 (Conv1D; the attention's ``attn.c_proj`` is not matched);
+# * fc1/fc2 under ``.mlp`` (Phi) or directly under the decoder block (OPT: ``decoder.layers.N.fc1``);
+# * dense_h_to_4h/dense_4h_to_h under ``.mlp``: GPT-NeoX, Falcon;
+# * the same under ``.mlp.shared_expert(s)``: the dense shared expert of an MoE block (Qwen2-MoE, DeepSeek).
+# MoE experts (fused 3-D parameters) are converted apart, per expert (:mod:`qat_app.hif8.experts`).
+DEFAULT_MODULE_PATTERN = (
+    r"(?:\.mlp\.(?:shared_experts?\.)?(?:gate_proj|up_proj|gate_up_proj|down_proj|c_fc|c_proj|fc1|fc2|dense_h_to_4h|dense_4h_to_h)"
+    r"|(?:^|\.)(?:layers|h|blocks|block)\.\d+\.(?:fc1|fc2))$"
+)
 # The decoder-block index inside a module name: model.layers.7.mlp..., transformer.h.7.mlp..., blocks.7...
 DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\."
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import HiF8Linear
 from .patch import quantized_linears, set_quantization
 from .scaler_bank import advance_all, discard_all, seed_all, sync_step_amax
 from .scaling import all_scalers
@@ -56,9 +55,8 @@ def sync_and_advance(model: nn.Module, nonfinite: torch.Tensor | bool | None = N
 
 def release_weight_caches(model: nn.Module) -> None:
     """Drop every layer's cached weight codes (stale once the optimizer steps; not held through its peak)."""
-    for module in model.modules():
-        if isinstance(module, HiF8Linear):
-            module.release_weight_cache()
+    for _, module in quantized_linears(model):
+        module.release_weight_cache()
 
 
 def start_warmup(model: nn.Module) -> None:

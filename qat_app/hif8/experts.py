@@ -1,0 +1,120 @@
+"""HiF8 W8A8 for mixture-of-experts layers: transformers' fused experts modules, quantized per expert.
+
+In transformers 5.x the experts of Mixtral, Qwen2-MoE and Qwen3-MoE are one module with fused 3-D
+parameters, ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``, and a loop over the experts
+that the router picked. :class:`HiF8Experts` replaces such a module, sharing its parameters, and runs
+the same loop with the paper's per-tensor delayed scaling applied *per expert*: expert ``e`` has a
+:class:`QuantizedProjection` for its gate_up matmul and one for its down matmul, each with its own
+input scaler (the tokens routed to ``e``) and weight scaler (``gate_up_proj[e]`` as one tensor: gate and
+up share one weight scale and one input scale, as the fused linear of phi3 does; ``down_proj[e]`` its
+own). The loop is transformers' eager experts implementation (per-expert matmuls; the grouped_mm kernels
+cannot take a per-expert fake quantization), so outputs equal the unquantized model's under
+``_experts_implementation="eager"``. Routers and gates are not touched (they stay in high precision). An expert that no token reached
+in a step observes nothing, so its history is left alone (the step is not recorded for it).
+
+Everything else is as for :class:`~qat_app.hif8.linear.HiF8Linear` (the projections reuse its weight
+quantization, its autograd function and switches), so the warmup switch, the saturation counters, the
+batched scaler update and checkpoints cover the experts too. The 8-bit export does not handle experts
+yet (it refuses them with a clear error).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .formats import get_format
+from .linear import HiF8Linear, _compute_dtype, _HiF8LinearFunction, _make_scaler, _Plan
+from .recipe import HiF8Recipe, RuntimeOptions
+
+
+class QuantizedProjection(nn.Module):
+    """The quantization state of one matmul whose weight lives elsewhere (one expert's slice of a fused
+    parameter): scalers, switches, the weight-code cache. ``project(x, weight)`` is ``x @ weight.T``, W8A8."""
+
+    def __init__(self, recipe: HiF8Recipe, runtime: RuntimeOptions, device=None) -> None:
+        super().__init__()
+        self.recipe, self.runtime, self.format = recipe, runtime, get_format(recipe.format)
+        self.input_scaler = _make_scaler(recipe, recipe.resolved_max_val, device)
+        self.weight_scaler = _make_scaler(recipe, recipe.resolved_max_val, device)
+        self.grad_scaler = _make_scaler(recipe, recipe.grad_max_val, device) if recipe.quantize_grads else None
+        self.quantize_activations = runtime.quantize_activations
+        self.quantize_weights = runtime.quantize_weights
+        self.quantize_grads = recipe.quantize_grads
+        self._weight_cache: tuple | None = None
+
+    # the same weight quantization, switches and state as HiF8Linear (shared code, not a copy)
+    quantized_weight = HiF8Linear.quantized_weight
+    _passes_gradient = HiF8Linear._passes_gradient
+    release_weight_cache = HiF8Linear.release_weight_cache
+    scalers = HiF8Linear.scalers
+    get_extra_state = HiF8Linear.get_extra_state
+    set_extra_state = HiF8Linear.set_extra_state
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            w_saved, w_scale, w_mask = self.quantized_weight(weight, dtype)
+        plan = _Plan(
+            input_scaler=self.input_scaler, activations_on=self.quantize_activations, record=self.training,
+            grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format, fused=self.runtime.fused,
+            ste_clipped=self.recipe.ste == "clipped", save_codes=self.runtime.save_8bit_activations,
+            stochastic_grads=self.recipe.grad_stochastic_rounding, dtype=dtype,
+        )
+        return _HiF8LinearFunction.apply(x, weight, None, w_saved, w_scale, w_mask, plan)
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """transformers' fused experts layout: 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3
+            and down.ndim == 3 and gate_up.shape[0] == down.shape[0] and not isinstance(module, HiF8Experts))
+
+
+class HiF8Experts(nn.Module):
+    """A fused experts module with W8A8 per expert (see the module docstring); same parameters, same routing."""
+
+    def __init__(self, experts: nn.Module, recipe: HiF8Recipe, runtime: RuntimeOptions) -> None:
+        super().__init__()
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.act_fn = experts.act_fn
+        device = experts.gate_up_proj.device
+        self.gate_up = nn.ModuleList(QuantizedProjection(recipe, runtime, device) for _ in range(self.num_experts))
+        self.down = nn.ModuleList(QuantizedProjection(recipe, runtime, device) for _ in range(self.num_experts))
+        object.__setattr__(self, "_original", experts)  # not a submodule: restored by to_float
+        self.train(experts.training)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit.flatten().tolist():
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[token_idx]
+            gate, up = self.gate_up[expert_idx].project(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current = self.down[expert_idx].project(self.act_fn(gate) * up, self.down_proj[expert_idx])
+            current = current * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def to_float(self) -> nn.Module:
+        """The original experts module (it shares the trained parameters)."""
+        original = self._original
+        original.gate_up_proj, original.down_proj = self.gate_up_proj, self.down_proj
+        original.train(self.training)
+        return original
+
+
+def convert_experts(model: nn.Module, recipe: HiF8Recipe, runtime: RuntimeOptions, keep=lambda name: True) -> list[str]:
+    """Replace every fused experts module whose name ``keep`` accepts by :class:`HiF8Experts`; their names."""
+    names = [name for name, module in model.named_modules() if is_fused_experts(module) and keep(name)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, HiF8Experts(getattr(parent, child), recipe, runtime))
+    return names
