@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .formats import get_format
-from .linear import HiF8Linear, _compute_dtype, _HiF8LinearFunction, _make_scaler, _Plan
+from .linear import HiF8Linear, _compute_dtype, _HiF8LinearFunction, init_quantization
 from .recipe import HiF8Recipe, RuntimeOptions
 
 
@@ -34,14 +33,7 @@ class QuantizedProjection(nn.Module):
 
     def __init__(self, recipe: HiF8Recipe, runtime: RuntimeOptions, device=None) -> None:
         super().__init__()
-        self.recipe, self.runtime, self.format = recipe, runtime, get_format(recipe.format)
-        self.input_scaler = _make_scaler(recipe, recipe.resolved_max_val, device)
-        self.weight_scaler = _make_scaler(recipe, recipe.resolved_max_val, device)
-        self.grad_scaler = _make_scaler(recipe, recipe.grad_max_val, device) if recipe.quantize_grads else None
-        self.quantize_activations = runtime.quantize_activations
-        self.quantize_weights = runtime.quantize_weights
-        self.quantize_grads = recipe.quantize_grads
-        self._weight_cache: tuple | None = None
+        init_quantization(self, recipe, runtime, device)
 
     # the same weight quantization, switches and state as HiF8Linear (shared code, not a copy)
     quantized_weight = HiF8Linear.quantized_weight
@@ -49,19 +41,14 @@ class QuantizedProjection(nn.Module):
     release_weight_cache = HiF8Linear.release_weight_cache
     scalers = HiF8Linear.scalers
     get_extra_state = HiF8Linear.get_extra_state
+    _plan = HiF8Linear._plan
     set_extra_state = HiF8Linear.set_extra_state
 
     def project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             w_saved, w_scale, w_mask = self.quantized_weight(weight, dtype)
-        plan = _Plan(
-            input_scaler=self.input_scaler, activations_on=self.quantize_activations, record=self.training,
-            grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format, fused=self.runtime.fused,
-            ste_clipped=self.recipe.ste == "clipped", save_codes=self.runtime.save_8bit_activations,
-            stochastic_grads=self.recipe.grad_stochastic_rounding, dtype=dtype,
-        )
-        return _HiF8LinearFunction.apply(x, weight, None, w_saved, w_scale, w_mask, plan)
+        return _HiF8LinearFunction.apply(x, weight, None, w_saved, w_scale, w_mask, self._plan(dtype))
 
 
 def is_fused_experts(module: nn.Module) -> bool:

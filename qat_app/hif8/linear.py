@@ -32,6 +32,20 @@ def _make_scaler(recipe: HiF8Recipe, max_val: float, device) -> AmaxScaler:
     return AmaxScaler(recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device)
 
 
+def init_quantization(module: nn.Module, recipe: HiF8Recipe | None, runtime: RuntimeOptions | None, device) -> None:
+    """The quantization state of a layer: recipe, runtime options, format, scalers, switches, weight cache."""
+    module.recipe = recipe = recipe if recipe is not None else HiF8Recipe()
+    module.runtime = runtime = runtime if runtime is not None else RuntimeOptions()
+    module.format = get_format(recipe.format)
+    module.input_scaler = _make_scaler(recipe, recipe.resolved_max_val, device)
+    module.weight_scaler = _make_scaler(recipe, recipe.resolved_max_val, device)
+    module.grad_scaler = _make_scaler(recipe, recipe.grad_max_val, device) if recipe.quantize_grads else None
+    module.quantize_activations = runtime.quantize_activations
+    module.quantize_weights = runtime.quantize_weights
+    module.quantize_grads = recipe.quantize_grads
+    module._weight_cache = None
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -50,17 +64,7 @@ class HiF8Linear(nn.Linear):
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe = recipe = recipe if recipe is not None else HiF8Recipe()
-        self.runtime = runtime = runtime if runtime is not None else RuntimeOptions()
-        self.format = get_format(recipe.format)
-        scaler_device = self.weight.device
-        self.input_scaler = _make_scaler(recipe, recipe.resolved_max_val, scaler_device)
-        self.weight_scaler = _make_scaler(recipe, recipe.resolved_max_val, scaler_device)
-        self.grad_scaler = _make_scaler(recipe, recipe.grad_max_val, scaler_device) if recipe.quantize_grads else None
-        self.quantize_activations = runtime.quantize_activations
-        self.quantize_weights = runtime.quantize_weights
-        self.quantize_grads = recipe.quantize_grads
-        self._weight_cache: tuple | None = None
+        init_quantization(self, recipe, runtime, self.weight.device)
         self.source_type = "linear"  # or "conv1d" (GPT-2 style, weight stored transposed)
 
     @classmethod
@@ -179,14 +183,17 @@ class HiF8Linear(nn.Linear):
         dtype = _compute_dtype(x)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             w_saved, w_scale, w_mask = self.quantized_weight(self.weight, dtype)
-        plan = _Plan(
+        return _HiF8LinearFunction.apply(x, self.weight, self.bias, w_saved, w_scale, w_mask, self._plan(dtype))
+
+    def _plan(self, dtype: torch.dtype) -> "_Plan":
+        """This forward's scalers and switches, for the autograd function."""
+        return _Plan(
             input_scaler=self.input_scaler, activations_on=self.quantize_activations, record=self.training,
             grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format,
             fused=self.runtime.fused, ste_clipped=self.recipe.ste == "clipped",
             save_codes=self.runtime.save_8bit_activations, stochastic_grads=self.recipe.grad_stochastic_rounding,
             dtype=dtype,
         )
-        return _HiF8LinearFunction.apply(x, self.weight, self.bias, w_saved, w_scale, w_mask, plan)
 
 
 def _passes_gradient(ste_clipped: bool, x, scale, scaler: AmaxScaler, fmt) -> torch.Tensor | None:
