@@ -19,6 +19,11 @@ The embedded model is converted once and cached as safetensors + config + tokeni
 ``~/.cache/qat_app/models``). The cache is written to a temporary directory and renamed into place
 (atomic), under a file lock so that concurrent DDP ranks convert only once; a ``qat_app_source.json``
 records the GGUF it came from and a stale cache (other package version / file) is rebuilt.
+
+openPangu-Embedded checkpoints (``config.json`` with ``model_type: "PanguEmbedded"``, local or on the hub)
+are loaded natively as transformers' ``LlamaForCausalLM`` and their SentencePiece tokenizer through
+transformers' own converter, without remote code (:mod:`qat_app.openpangu`); ``trust_remote_code`` is
+not needed for them and is not used.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from . import openpangu
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +161,17 @@ def _finish_tokenizer(tok, name: str):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _openpangu_config(src: str, local: bool, gguf_file: str | None, revision: str | None, cache_dir: str | None):
+    """The config.json (a dict) when ``src`` is an openPangu-Embedded checkpoint, else None."""
+    if gguf_file is not None:
+        return None
+    try:
+        config = openpangu.read_config(src, local=local, revision=revision, cache_dir=None if local else cache_dir)
+    except OSError as e:  # only for hub ids
+        raise _hub_error(src, e) from e
+    return config if openpangu.is_openpangu_config(config) else None
 
 
 def _hub_error(name: str, exc: Exception) -> OSError:
@@ -295,6 +313,18 @@ def load_tokenizer(
         path = embedded_model_dir(name_or_path, cache_dir)
         return _finish_tokenizer(AutoTokenizer.from_pretrained(str(path)), name_or_path)
     src, gguf_file, local = _resolve_source(name_or_path, gguf_file)
+    if _openpangu_config(src, local, gguf_file, revision, cache_dir) is not None or (
+        local and gguf_file is None and openpangu.is_openpangu_tokenizer_dir(src)
+    ):
+        if trust_remote_code:
+            log.debug("%s: openPangu-Embedded tokenizer loaded without remote code (trust_remote_code unused)", name_or_path)
+        try:
+            tok = openpangu.load_tokenizer(src, local=local, revision=revision, cache_dir=cache_dir)
+        except OSError as e:
+            if local:
+                raise
+            raise _hub_error(name_or_path, e) from e
+        return _finish_tokenizer(tok, name_or_path)
     kwargs = dict(trust_remote_code=trust_remote_code)
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
@@ -325,7 +355,8 @@ def load_causal_lm(
     ``cache_dir``: for :data:`EMBEDDED_MODEL` the directory holding the converted copy (``<cache_dir>/<name>``,
     default ``$QAT_APP_CACHE/models`` or ``~/.cache/qat_app/models``); for hub ids it is forwarded to
     ``from_pretrained`` as the Hugging Face download cache. The model is returned in eval mode with
-    ``config.pad_token_id`` set from the tokenizer when missing.
+    ``config.pad_token_id`` set from the tokenizer when missing. An openPangu-Embedded checkpoint comes back as
+    a ``LlamaForCausalLM`` (:mod:`qat_app.openpangu`) whatever ``trust_remote_code`` says.
     """
     from transformers import AutoModelForCausalLM
 
@@ -338,13 +369,22 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     else:
         src, gguf_file, local = _resolve_source(name_or_path, gguf_file)
+        pangu_config = _openpangu_config(src, local, gguf_file, revision, cache_dir)
         kwargs = dict(trust_remote_code=trust_remote_code)
         if revision is not None:
             kwargs["revision"] = revision
         if cache_dir is not None and not local:
             kwargs["cache_dir"] = cache_dir
         try:
-            if gguf_file is not None:
+            if pangu_config is not None:
+                model = openpangu.load_model(
+                    src, pangu_config, dtype=torch_dtype, local=local, revision=revision, cache_dir=cache_dir
+                )
+                log.info(
+                    "%s is openPangu-Embedded: loaded natively as transformers' LlamaForCausalLM, without remote code%s",
+                    name_or_path, " (trust_remote_code=True is not needed for it and was not used)" if trust_remote_code else "",
+                )
+            elif gguf_file is not None:
                 # GGUF weights are de-quantised to float32, rebuilt as a plain (serialisable) model, then cast.
                 model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32, **kwargs)
                 model = dequantized_copy(model)

