@@ -1,6 +1,6 @@
 """openPangu-Embedded loaded natively (qat_app.openpangu): no remote code, same model as upstream's.
 
-The reference is the UPSTREAM remote code (tests/fixtures: /work/shared/fixtures/openpangu, see its
+The reference is the UPSTREAM remote code (``../shared/fixtures/openpangu`` beside the checkout, see its
 SOURCE.md): copied into tmp_path, patched there for the five transformers-5 incompatibilities SOURCE.md
 lists, built with ``trust_remote_code=True`` and saved with random weights. The project's loader then
 reads the same directory without remote code and must give the same tensors, logits and quantized layout.
@@ -28,7 +28,9 @@ from qat_app.config import QuantConfig, quantize_model  # noqa: E402
 from qat_app.hif8.linear import HiF8Linear  # noqa: E402
 from qat_app.models import load_causal_lm, load_tokenizer  # noqa: E402
 
-FIXTURE = Path(os.environ.get("OPENPANGU_FIXTURE", "/work/shared/fixtures/openpangu"))
+# shared/ lies beside the checkout (as CI lays it out); OPENPANGU_FIXTURE overrides
+FIXTURE = Path(os.environ.get(
+    "OPENPANGU_FIXTURE", Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "openpangu"))
 needs_fixture = pytest.mark.skipif(
     not (FIXTURE / "modeling_openpangu_dense.py").is_file(), reason=f"upstream openPangu files not found in {FIXTURE}"
 )
