@@ -124,7 +124,7 @@ class RunSummaryCallback(L.Callback):
         if not unquantized:
             lines.append(f"  report      python main.py report --baseline {self.baseline or '<bf16 baseline run>'} --qat {run_dir}")
             name = os.path.basename(os.path.normpath(run_dir)) if run_dir != "-" else "run"
-            lines.append(f"  export      python -m qat_app.export --ckpt {_show(last) if last else '<checkpoint>'} "
+            lines.append(f"  export      python main.py export --ckpt {_show(last) if last else '<checkpoint>'} "
                          f"--out {os.path.join(self.export_dir, name)}")
         else:
             lines.append(f"  report      python main.py report --baseline {run_dir} --qat <QAT run>")

@@ -31,6 +31,9 @@ _FALCON = dict(hidden_size=32, ffn_hidden_size=64, num_hidden_layers=NUM_BLOCKS,
 # model type -> (config kwargs, the decoder blocks' prefix, the MLP linears inside a block, their class name)
 ARCHITECTURES = {
     "llama": (LLAMA_LIKE, "model.layers", [f"mlp.{p}" for p in GATE_UP_DOWN], "Linear"),
+    # openPangu-Embedded as the native loader builds it (qat_app/openpangu.py): Llama with q/k/v/o bias
+    "openpangu_embedded": (dict(LLAMA_LIKE, attention_bias=True), "model.layers",
+                           [f"mlp.{p}" for p in GATE_UP_DOWN], "Linear"),
     "qwen2": (LLAMA_LIKE, "model.layers", [f"mlp.{p}" for p in GATE_UP_DOWN], "Linear"),
     "qwen3": (LLAMA_LIKE, "model.layers", [f"mlp.{p}" for p in GATE_UP_DOWN], "Linear"),
     "mistral": (LLAMA_LIKE, "model.layers", [f"mlp.{p}" for p in GATE_UP_DOWN], "Linear"),
@@ -58,7 +61,7 @@ ARCHITECTURES = {
     "falcon_bias": (dict(_FALCON, bias=True), "transformer.h", ["mlp.dense_h_to_4h", "mlp.dense_4h_to_h"],
                     "FalconLinear"),
 }
-MODEL_TYPE = {"falcon_bias": "falcon"}  # a case id that is not a model type -> its model type
+MODEL_TYPE = {"falcon_bias": "falcon", "openpangu_embedded": "llama"}  # a case id that is not a model type -> its model type
 # falcon_bias: a biased HiF8Linear on a 3-D input, whose output Falcon modifies in place
 # (`mlp_output += attention_output`): the output must not be a view made inside the autograd Function.
 CASES = [pytest.param(t, id=t) for t in ARCHITECTURES]

@@ -92,7 +92,7 @@ def test_fit_prints_summary_and_counts_steps(tmp_path, tiny_model_dir, tiny_corp
     assert os.path.exists(ckpt)
     assert f"checkpoints   runs/tiny/checkpoints (last: {ckpt})" in block
     assert "python main.py report --baseline runs/bf16 --qat runs/tiny" in block
-    assert f"python -m qat_app.export --ckpt {ckpt} --out exports/tiny" in block
+    assert f"python main.py export --ckpt {ckpt} --out exports/tiny" in block
 
     # the progress bar counted optimizer steps out of max_steps, in the QAT phase at the end
     bar = trainer.progress_bar_callback

@@ -12,6 +12,13 @@
   QAT forward pass computes them (same scaler branch: the delayed scale, or the current scale when
   the scaler has no history / uses CTS), so ``decode(codes) / scale`` cast to the compute dtype *is*
   the fake-quantized weight of the QAT forward pass, bit for bit;
+* every quantized MoE experts module (``HiF8Experts``, listed under ``quantized_experts``) stores each
+  fused parameter as one uint8 codes tensor (``<experts>.gate_up_proj.codes`` ``[E, 2I, H]``,
+  ``<experts>.down_proj.codes`` ``[E, H, I]``, 1 byte per weight) plus float32 scales ``[E]``
+  (``<experts>.<param>.scales``): expert ``e``'s slice quantized by its own projection's weight scaler,
+  exactly as in training; the per-expert scaler state is stored like a dense layer's
+  (``<experts>.gate_up.<e>.input_scaler.amax_history`` ...), and the layout records the model's
+  ``experts_implementation`` so the unquantized experts of the boundary blocks run as they did;
 * every other floating tensor (attention, embeddings, norms, lm_head, boundary blocks, biases) is
   stored in ``dtype`` (BF16 by default);
 * the amax-scaler state of every quantized layer (``amax_history``, ``a_hat``, ``scale``,
@@ -36,7 +43,9 @@ The quantized layers of the loaded model are :class:`HiF8ExportedLinear`: a ``Hi
 weight already holds the dequantized 8-bit values; in eval mode, while the weight is unchanged, it
 uses them as they are (re-quantizing them would need the exact scale again, which current scaling
 would recompute differently). In training mode, or once the weight has been changed, it is a plain
-``HiF8Linear`` (restored scalers included), so QAT can continue.
+``HiF8Linear`` (restored scalers included), so QAT can continue. Quantized experts are rebuilt as
+``HiF8Experts`` whose fused parameters hold ``decode(codes[e]) / scale[e]``; their projections are marked
+the same way (:meth:`~qat_app.hif8.experts.HiF8Experts.mark_exported`).
 
 Plain HF export (:func:`export_hf`): a copy of the model with every ``HiF8Linear`` replaced by its
 plain module (``dequantize_model``) and ``save_pretrained`` + tokenizer, loadable by lm-eval and any
@@ -65,11 +74,11 @@ from .layout import (HF_EXPORT_INFO, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION,
                      read_layout)
 from .qat_checkpoint import load_qat_checkpoint
 from .reader import HiF8ExportedLinear, load_hif8
-from .writer import export_hif8, quantize_weight
+from .writer import export_hif8, quantize_experts_param, quantize_weight
 
 __all__ = [
     "HF_EXPORT_INFO", "LAYOUT_FILE", "LAYOUT_FORMAT", "LAYOUT_VERSION", "ROLE_BUFFER", "ROLE_CODES", "ROLE_DENSE",
     "ROLE_OTHER", "ROLE_SCALE", "ROLE_SCALER", "SCALER_NAMES", "WEIGHTS_FILE", "ExportError", "HiF8ExportedLinear",
-    "checkpoint_bytes", "export_hf", "export_hif8", "load_hif8", "load_qat_checkpoint", "main", "quantize_weight",
+    "checkpoint_bytes", "export_hf", "export_hif8", "load_hif8", "load_qat_checkpoint", "main", "quantize_experts_param", "quantize_weight",
     "read_layout",
 ]

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
+from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.patch import dequantize_model, quantized_linears
 from ..models import resolve_dtype
 from .common import StagingDir, quant_of, unwrap
 from .layout import HF_EXPORT_INFO
-from .writer import quantize_weight
+from .writer import EXPERT_PARAMS, quantize_experts_param, quantize_weight
 
 log = logging.getLogger("qat_app.export")
 
@@ -51,11 +52,21 @@ def export_hf(
     if weights == "quantized":
         with torch.no_grad():
             for _, layer in layers:
-                if not hasattr(layer, "weight"):  # an MoE expert's projection: weights stay the trained ones
+                if not hasattr(layer, "weight"):  # an MoE expert's projection: done with its experts module below
                     continue
                 if layer.quantize_weights:
                     codes, scale, _ = quantize_weight(layer, cdtype or layer.weight.dtype)
                     layer.weight.copy_(dequantize_codes(codes, scale, layer.recipe.format, layer.weight.dtype))
+            for module in plain.modules():
+                if not isinstance(module, HiF8Experts):
+                    continue
+                for param, proj_name in EXPERT_PARAMS:
+                    weight = getattr(module, param)
+                    if not all(proj.quantize_weights for proj in getattr(module, proj_name)):
+                        continue
+                    codes, scales, _ = quantize_experts_param(module, param, cdtype or weight.dtype)
+                    for e in range(weight.shape[0]):
+                        weight[e].copy_(dequantize_codes(codes[e], scales[e], module.gate_up[0].recipe.format, weight.dtype))
     count = dequantize_model(plain)
     if dtype is not None:
         plain.to(resolve_dtype(dtype))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import QuantConfig
+from ..hif8.experts import HiF8Experts, is_fused_experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import _set_submodule, quantized_linears
@@ -78,6 +79,18 @@ def _patch_layers(model: nn.Module, layout: dict, layout_path: Path) -> None:
         )
     for name in recorded:
         _set_submodule(model, name, HiF8ExportedLinear.from_linear(modules[name], **quant.layer_options()))
+    experts = layout.get("quantized_experts", {})
+    wrong = [name for name in experts if name not in modules or not is_fused_experts(modules[name])
+             or modules[name].gate_up_proj.shape[0] != experts[name].get("num_experts")]
+    if wrong:
+        raise ExportError(
+            f"{layout_path} does not match the model built from config.json: {len(wrong)} of the {len(experts)} "
+            f"quantized MoE experts modules it lists are not fused experts modules of that size in the model "
+            f"(e.g. {wrong[:3]})"
+        )
+    options = quant.layer_options()
+    for name in experts:
+        _set_submodule(model, name, HiF8Experts(modules[name], options["recipe"], options["runtime"]))
 
 
 def _state_dict(model: nn.Module, layout: dict, tensors: dict[str, torch.Tensor], layout_path: Path) -> dict[str, Any]:
@@ -106,6 +119,26 @@ def _state_dict(model: nn.Module, layout: dict, tensors: dict[str, torch.Tensor]
             # float32 value to its compute dtype, so the forward sees identical weights
             state[f"{name}.weight"] = dequantize_codes(codes, scale.reshape(()), record["format"], layer.weight.dtype)
         state[f"{name}._extra_state"] = record["extra_state"]
+    for name, record in layout.get("quantized_experts", {}).items():
+        experts = model.get_submodule(name)
+        for param, entry in record["params"].items():
+            if entry.get("weight") != "codes":
+                continue  # stored dense under its state key
+            weight = getattr(experts, param)
+            codes, scales = tensors[entry["codes"]], tensors[entry["scales"]]
+            if (codes.dtype != torch.uint8 or list(codes.shape) != list(weight.shape)
+                    or list(scales.shape) != [weight.shape[0]]):
+                raise ExportError(
+                    f"{layout_path} does not match the model: {name}.{param} codes {codes.dtype}{list(codes.shape)} / "
+                    f"scales {list(scales.shape)} for a parameter of shape {list(weight.shape)}"
+                )
+            # per expert, as for a dense layer: float32 decode(codes[e])/scale[e], then the parameter dtype
+            state[f"{name}.{param}"] = torch.stack([
+                dequantize_codes(codes[e], scales[e].reshape(()), record["format"], weight.dtype)
+                for e in range(weight.shape[0])
+            ])
+        for proj, proj_record in record["projections"].items():
+            state[f"{name}.{proj}._extra_state"] = proj_record["extra_state"]
     for alias, target in layout["aliases"].items():
         if target not in state:
             raise ExportError(f"{layout_path}: alias {alias} -> {target}, but {target} is not stored")
@@ -130,7 +163,10 @@ def _restore_buffers(model: nn.Module, layout: dict, tensors: dict[str, torch.Te
 
 def _restore_scaler_flags(model: nn.Module, layout: dict) -> None:
     """The host-side ``has_history`` flag of every scaler (not in the state dict)."""
-    for name, record in layout["quantized_layers"].items():
+    records = dict(layout["quantized_layers"])
+    for name, experts in layout.get("quantized_experts", {}).items():
+        records.update((f"{name}.{proj}", record) for proj, record in experts["projections"].items())
+    for name, record in records.items():
         layer = model.get_submodule(name)
         for scaler_name, has_history in record.get("has_history", {}).items():
             scaler = getattr(layer, scaler_name, None)
@@ -156,6 +192,8 @@ def load_hif8(
     layout_path = out_dir / LAYOUT_FILE
     tensors = read_weights(out_dir, layout)
     model = _build_model(out_dir, layout, dtype, trust_remote_code)
+    if layout.get("experts_implementation") is not None:  # the unquantized experts run as they were exported
+        model.config._experts_implementation = layout["experts_implementation"]
     _patch_layers(model, layout, layout_path)
     state = _state_dict(model, layout, tensors, layout_path)
     try:
@@ -168,5 +206,12 @@ def load_hif8(
     for _, layer in quantized_linears(model):
         if isinstance(layer, HiF8ExportedLinear):
             layer.mark_exported()
+    for name, record in layout.get("quantized_experts", {}).items():
+        experts = model.get_submodule(name)
+        experts.mark_exported()
+        for param, proj in (("gate_up_proj", experts.gate_up), ("down_proj", experts.down)):
+            if record["params"].get(param, {}).get("weight") != "codes":  # dense: quantized as usual
+                for projection in proj:
+                    projection._exported_key = None
     model.eval()
     return model

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import QuantConfig
+from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import quantized_linears
@@ -37,6 +38,28 @@ def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None)
     result, scale = layer.weight_scaler.quantize(w, layer.format, want_codes=True, fused="off")
     scale = scale.detach().float().reshape(()).clone()
     return result.codes, scale, result.dequantized
+
+
+# a fused experts parameter and the per-expert projections that quantize its slices
+EXPERT_PARAMS = (("gate_up_proj", "gate_up"), ("down_proj", "down"))
+
+
+@torch.no_grad()
+def quantize_experts_param(experts: HiF8Experts, param: str, compute_dtype: torch.dtype | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fused parameter of an MoE experts module (``gate_up_proj`` or ``down_proj``) as the QAT forward
+    pass quantizes it, expert by expert (each with its own weight scaler) -> (uint8 codes ``[E, ...]``,
+    float32 scales ``[E]``, dequantized ``[E, ...]`` in ``compute_dtype``)."""
+    weight = getattr(experts, param)
+    projections = getattr(experts, dict(EXPERT_PARAMS)[param])
+    dtype = compute_dtype or weight.dtype
+    codes, scales, dequantized = [], [], []
+    for e, proj in enumerate(projections):
+        result, scale = proj.weight_scaler.quantize(weight[e].detach().to(dtype), proj.format, want_codes=True, fused="off")
+        codes.append(result.codes)
+        scales.append(scale.detach().float().reshape(()))
+        dequantized.append(result.dequantized)
+    return torch.stack(codes), torch.stack(scales), torch.stack(dequantized)
 
 
 def _scaler_pairs(layer: HiF8Linear) -> list[tuple[str, AmaxScaler]]:
@@ -104,7 +127,53 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
     return record, True
 
 
-def _add_state(out: _Tensors, state: dict, layer_keys: set[str], quantized: dict[str, dict],
+def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: torch.dtype,
+                 storage_dtype: torch.dtype) -> tuple[dict[str, Any], set[str], bool]:
+    """One quantized MoE experts module: each fused parameter as uint8 codes ``[E, ...]`` + float32 scales
+    ``[E]`` (or dense, weight quantization off) -> (record, the state keys it stored, lossless)."""
+    first = experts.gate_up[0]
+    record: dict[str, Any] = {
+        "format": first.recipe.format,
+        "num_experts": experts.num_experts,
+        "weight_dtype": dtype_name(experts.gate_up_proj.dtype),
+        "compute_dtype": dtype_name(layer_dtype),
+        "params": {},
+        "projections": {},
+    }
+    keys: set[str] = set()
+    lossless = True
+    for param, proj_name in EXPERT_PARAMS:
+        weight = getattr(experts, param)
+        projections = getattr(experts, proj_name)
+        for e, proj in enumerate(projections):
+            if proj.recipe.format != first.recipe.format:
+                raise ExportError(f"{name}.{proj_name}.{e}: another format than {name}.gate_up.0")
+            record["projections"][f"{proj_name}.{e}"] = {
+                "extra_state": proj.get_extra_state(),
+                "has_history": {s: scaler.has_history for s, scaler in _scaler_pairs(proj)},
+            }
+        entry: dict[str, Any] = {"shape": list(weight.shape)}
+        switches = {bool(proj.quantize_weights) for proj in projections}
+        if switches != {True}:
+            log.warning("%s.%s: weight quantization is off for some experts (exported inside the BF16 warmup?): "
+                        "stored in %s", name, param, storage_dtype)
+            lossless &= out.add_stored(f"{name}.{param}", weight, storage_dtype)
+            entry["weight"] = "dense"
+        else:
+            codes, scales, dequantized = quantize_experts_param(experts, param, layer_dtype)
+            for e in range(experts.num_experts):  # cannot fail: decode is exact; guards format changes
+                if not same(dequantize_codes(codes[e], scales[e], first.recipe.format, layer_dtype), dequantized[e]):
+                    raise ExportError(f"{name}.{param}[{e}]: decode(codes)/scale does not reproduce the fake-quantized weight")
+            out.add(f"{name}.{param}.codes", codes, ROLE_CODES, weight)
+            out.add(f"{name}.{param}.scales", scales, ROLE_SCALE)
+            entry.update(weight="codes", codes=f"{name}.{param}.codes", scales=f"{name}.{param}.scales")
+            keys.add(f"{name}.{param}")
+        record["params"][param] = entry
+    keys.update(f"{name}.{proj}._extra_state" for proj in record["projections"])
+    return record, keys, lossless
+
+
+def _add_state(out: _Tensors, state: dict, layer_keys: set[str], quantized: set[str],
                storage_dtype: torch.dtype) -> tuple[dict[str, str], bool]:
     """Every other state-dict tensor (scaler state unchanged, floats in ``storage_dtype``, shared storage
     once) -> (aliases, lossless)."""
@@ -140,7 +209,7 @@ def _add_nonpersistent_buffers(out: _Tensors, model: nn.Module, state: dict) -> 
 
 def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, *, weights_bytes: int,
             model_dtype: torch.dtype, storage_dtype: torch.dtype, lossless: bool, quantized: dict,
-            aliases: dict) -> dict:
+            aliases: dict, experts: dict) -> dict:
     return {
         "format": LAYOUT_FORMAT,
         "version": LAYOUT_VERSION,
@@ -154,6 +223,8 @@ def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, *, 
         "source": info.get("model_name"),
         "quant": quant.to_dict(),
         "quantized_layers": quantized,
+        "quantized_experts": experts,
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
         "aliases": aliases,
         "tensors": out.entries,
         "bytes": out.bytes_by_role(),
@@ -192,12 +263,6 @@ def export_hif8(
             f"{type(model).__name__} has no HiF8Linear layer (quant.enabled=false?): nothing to store in 8 bits; "
             "use export_hf (--format hf) for an unquantized model"
         )
-    experts = [name for name, layer in layers if not isinstance(layer, HiF8Linear)]
-    if experts:
-        raise ExportError(
-            f"{type(model).__name__} has quantized MoE experts ({experts[0].rsplit('.', 2)[0]}, ...): the 8-bit "
-            "export does not store per-expert codes yet; use export_hf (--format hf) for a plain HF directory"
-        )
     quant = quant_of(model, layers)
     staging = StagingDir(out_dir, overwrite)  # refuse an existing export before any work
     state = model.state_dict()
@@ -207,10 +272,20 @@ def export_hif8(
     layer_keys: set[str] = set()
     lossless = True
     for name, layer in layers:
+        if not isinstance(layer, HiF8Linear):  # an MoE expert's projection: stored with its experts module below
+            continue
         layer_keys.update((f"{name}.weight", f"{name}._extra_state"))
         quantized[name], layer_lossless = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype)
         lossless &= layer_lossless
-    aliases, state_lossless = _add_state(out, state, layer_keys, quantized, storage_dtype)
+    experts: dict[str, dict] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, HiF8Experts):
+            experts[name], keys, experts_lossless = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype,
+                                                                 storage_dtype)
+            layer_keys |= keys
+            lossless &= experts_lossless
+    scaler_owners = set(quantized) | {name for name, layer in layers if not isinstance(layer, HiF8Linear)}
+    aliases, state_lossless = _add_state(out, state, layer_keys, scaler_owners, storage_dtype)
     lossless &= state_lossless
     _add_nonpersistent_buffers(out, model, state)
 
@@ -226,10 +301,11 @@ def export_hif8(
         save_file(out.tensors, str(weights_path), metadata={"format": "pt", "qat_app_layout": LAYOUT_FILE})
         save_model_files(model, tokenizer, tmp)
         layout = _layout(model, info, quant, out, weights_bytes=weights_path.stat().st_size, model_dtype=model_dtype,
-                         storage_dtype=storage_dtype, lossless=lossless, quantized=quantized, aliases=aliases)
+                         storage_dtype=storage_dtype, lossless=lossless, quantized=quantized, aliases=aliases,
+                         experts=experts)
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
     log.info(
-        "HiF8 export: %d quantized linears (%d params in %d bytes of codes), %s in %s",
-        len(quantized), layout["bytes"]["codes"], layout["bytes"]["codes"], dtype_name(storage_dtype), out_dir,
+        "HiF8 export: %d quantized linears, %d quantized experts modules (%d params in %d bytes of codes), %s in %s",
+        len(quantized), len(experts), layout["bytes"]["codes"], layout["bytes"]["codes"], dtype_name(storage_dtype), out_dir,
     )
     return layout

@@ -14,8 +14,9 @@ in a step observes nothing, so its history is left alone (the step is not record
 
 Everything else is as for :class:`~qat_app.hif8.linear.HiF8Linear` (the projections reuse its weight
 quantization, its autograd function and switches), so the warmup switch, the saturation counters, the
-batched scaler update and checkpoints cover the experts too. The 8-bit export does not handle experts
-yet (it refuses them with a clear error).
+batched scaler update and checkpoints cover the experts too. The 8-bit export stores each fused parameter
+as per-expert uint8 codes + scales; its reader marks the projections (:meth:`HiF8Experts.mark_exported`)
+so that in eval mode they use the loaded ``decode(codes) / scale`` weights as they are.
 """
 
 from __future__ import annotations
@@ -36,7 +37,26 @@ class QuantizedProjection(nn.Module):
         init_quantization(self, recipe, runtime, device)
 
     # the same weight quantization, switches and state as HiF8Linear (shared code, not a copy)
-    quantized_weight = HiF8Linear.quantized_weight
+    _exported_key: tuple | None = None  # set by the 8-bit export's reader (mark_exported)
+
+    @staticmethod
+    def _weight_key(weight: torch.Tensor) -> tuple:
+        """(fused parameter identity, its in-place version, this expert's slice): survives .to(device/dtype),
+        changes with any in-place update of the parameter or a new parameter."""
+        base = weight._base if weight._base is not None else weight
+        return id(base), base._version, weight.storage_offset(), tuple(weight.shape)
+
+    def mark_exported(self, weight: torch.Tensor) -> None:
+        """The export hook: ``weight`` (this expert's slice) already holds ``decode(codes) / scale``; in eval mode,
+        while it is unchanged, it is used as it is (in training mode or once changed: quantized as usual)."""
+        self._exported_key = self._weight_key(weight)
+
+    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype):
+        if (self._exported_key is not None and self.quantize_weights and not self.training
+                and self._exported_key == self._weight_key(weight)):
+            return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
+        return HiF8Linear.quantized_weight(self, weight, dtype)
+
     _passes_gradient = HiF8Linear._passes_gradient
     release_weight_cache = HiF8Linear.release_weight_cache
     scalers = HiF8Linear.scalers
@@ -88,6 +108,13 @@ class HiF8Experts(nn.Module):
             current = current * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
         return final_hidden_states
+
+    def mark_exported(self) -> None:
+        """The 8-bit export's reader: every expert's weights hold ``decode(codes) / scale`` (see
+        :meth:`QuantizedProjection.mark_exported`)."""
+        for e in range(self.num_experts):
+            self.gate_up[e].mark_exported(self.gate_up_proj[e])
+            self.down[e].mark_exported(self.down_proj[e])
 
     def to_float(self) -> nn.Module:
         """The original experts module (it shares the trained parameters)."""
