@@ -47,6 +47,30 @@ def find_last_checkpoint(trainer) -> str | None:
     return max(existing, key=os.path.getmtime) if existing else None
 
 
+def run_checkpoints(trainer) -> list[str]:
+    """Every checkpoint file of the trainer's ModelCheckpoint directories, newest first (``last*.ckpt``
+    and the periodic ones): where ``--ckpt_path last`` falls back when the newest is not intact."""
+    files = {find_last_checkpoint(trainer)} - {None}
+    for directory in checkpoint_dirs(trainer):
+        if os.path.isdir(directory):
+            files |= {os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".ckpt")}
+    existing = [f for f in files if os.path.isfile(f)]
+    return sorted(existing, key=lambda f: (os.path.getmtime(f), os.path.basename(f).startswith("last")), reverse=True)
+
+
+def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_state=True):
+    """-> (path, summary, refused): the newest checkpoint of the run that :func:`validate_resume_checkpoint`
+    accepts, and the newer ones it refused with why (a save killed midway leaves a truncated file).
+    (None, None, refused) when none is usable."""
+    refused: list[tuple[str, str]] = []
+    for path in run_checkpoints(trainer):
+        try:
+            return path, validate_resume_checkpoint(path, module, weights_only, need_training_state), refused
+        except CheckpointError as err:
+            refused.append((path, str(err)))
+    return None, None, refused
+
+
 def checkpoint_dirs(trainer) -> list[str]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -166,25 +166,34 @@ class QATCLI(LightningCLI):
     before_test = before_validate
 
     def _check_ckpt_path(self, need_training_state: bool) -> None:
-        from qat_app.checkpoint import checkpoint_dirs, find_last_checkpoint, validate_resume_checkpoint
+        from qat_app.checkpoint import checkpoint_dirs, newest_intact_checkpoint, validate_resume_checkpoint
+        from qat_app.errors import CheckpointError
 
         cfg = self.config_init[self.subcommand]
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path != "last" and not _is_checkpoint_file_arg(ckpt_path):
             return
-        ckpt_path = str(ckpt_path)
-        if ckpt_path == "last":
-            found = find_last_checkpoint(self.trainer)
-            if found is None:
+        weights_only = cfg.get("weights_only")
+        if str(ckpt_path) == "last":
+            ckpt_path, summary, refused = newest_intact_checkpoint(self.trainer, self.model, weights_only,
+                                                                    need_training_state)
+            for path, why in refused:
+                log.warning("--ckpt_path last: skipping %s: %s", path, why)
+            if ckpt_path is None:
+                if refused:  # checkpoints exist but none can resume this run: say why, do not start over
+                    raise CheckpointError(
+                        f"--ckpt_path last: no checkpoint in {checkpoint_dirs(self.trainer)} can resume this run; "
+                        f"the newest: {refused[0][1]}")
                 log.warning("--ckpt_path last: no last checkpoint in %s; starting a new run",
                             checkpoint_dirs(self.trainer) or "the ModelCheckpoint directory")
                 cfg["ckpt_path"] = None
                 return
-            log.info("--ckpt_path last: resuming from %s", found)
-            ckpt_path = found
-        summary = validate_resume_checkpoint(
-            ckpt_path, self.model, weights_only=cfg.get("weights_only"), need_training_state=need_training_state
-        )
+            log.info("--ckpt_path last: resuming from %s%s", ckpt_path,
+                     f" (the newest intact checkpoint; {len(refused)} newer refused)" if refused else "")
+        else:
+            ckpt_path = str(ckpt_path)
+            summary = validate_resume_checkpoint(ckpt_path, self.model, weights_only=weights_only,
+                                                 need_training_state=need_training_state)
         if need_training_state:
             log.info("checkpoint %s (global step %s) checked: resuming", ckpt_path, summary["global_step"])
         cfg["ckpt_path"] = ckpt_path  # exactly the file that was checked

@@ -267,6 +267,11 @@ def test_bad_last_checkpoint_is_refused_and_nothing_is_overwritten(kind, pattern
     text = yaml.safe_dump(config).replace(str(run_dir), str(copy))  # the same run, in the copy
     (copy / "config.yaml").write_text(text)
     last = copy / "ckpt" / "last.ckpt"
+    # every other checkpoint of the run is unusable too (else --ckpt_path last falls back to the newest
+    # intact one: tests/test_resume_fallback.py); written before last.ckpt, so last.ckpt stays the newest
+    for other in (copy / "ckpt").glob("*.ckpt"):
+        if other.name != "last.ckpt":
+            other.write_bytes(b"")
     if kind == "truncated":
         raw = last.read_bytes()
         last.write_bytes(raw[: len(raw) - 4096])
