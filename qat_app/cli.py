@@ -162,6 +162,23 @@ class QATCLI(LightningCLI):
 
     def before_validate(self) -> None:
         self._check_ckpt_path(need_training_state=False)
+        if self.config_init[self.subcommand].get("ckpt_path") is None:
+            self._refuse_quantized_model_without_history()
+
+    def _refuse_quantized_model_without_history(self) -> None:
+        """A freshly quantized model has no amax history: every layer would scale each batch by that padded
+        batch's own max, so scores would depend on the batch size. Refuse, saying what to do instead."""
+        from qat_app.hif8.patch import quantized_linears
+
+        layers = quantized_linears(self.model)
+        delayed = [s for _, layer in layers for s in layer.scalers() if s.algo != "current"]
+        if delayed and any(s.uses_current_scaling for s in delayed):
+            raise ConfigError(
+                f"{self.subcommand}: model.quant.enabled=true but the {len(layers)} quantized layers have no amax "
+                "history yet (a model that was never trained with QAT), so each batch would be scaled by its own "
+                "max and the scores would depend on the batch size. Evaluate the unquantized model with "
+                "--model.quant.enabled false, or a QAT run with --ckpt_path <its checkpoint>"
+            )
 
     before_test = before_validate
 

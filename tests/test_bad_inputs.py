@@ -298,3 +298,14 @@ def test_main_prints_one_line_errors_without_traceback(tmp_path, tiny_model_dir,
         assert exit_info.value.code == code, err
         assert re.search(pattern, err.strip().splitlines()[-1] if "Parser" not in pattern else err, re.M), err
         assert "Traceback" not in err
+
+
+def test_validate_refuses_a_quantized_model_without_history(tmp_path, tiny_model_dir, tiny_corpus, capsys):
+    """Scores of a fresh quantized model would depend on the batch size (each batch its own scale)."""
+    config = write_config(tmp_path, tiny_model_dir, tiny_corpus)
+    _check(*_run(["validate", "--config", config], capsys), ConfigError,
+           r"validate: model\.quant\.enabled=true but the \d+ quantized layers have no amax history yet.*"
+           r"--model\.quant\.enabled false.*--ckpt_path")
+    # the unquantized model is evaluated as asked
+    trainer = cli.cli_main(["validate", "--config", config, "--model.quant.enabled", "false"]).trainer
+    assert "val/loss" in trainer.callback_metrics
