@@ -203,6 +203,29 @@ def test_never_overwrites_without_flag(tmp_path):
     load_hif8(tmp_path / "exp")
 
 
+def test_overwrite_never_replaces_a_run_or_another_kind_of_export(tmp_path):
+    model = tiny_qat()
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"precious")
+    (run / "logs").mkdir()
+    (run / "logs" / "metrics.csv").write_text("step\n")
+    before = sorted((p.relative_to(run), p.read_bytes()) for p in run.rglob("*") if p.is_file())
+    for export in (export_hif8, export_hf):
+        with pytest.raises(FileExistsError, match=r"only replaces an earlier export.*checkpoints/last\.ckpt"):
+            export(model, run, overwrite=True)
+    assert sorted((p.relative_to(run), p.read_bytes()) for p in run.rglob("*") if p.is_file()) == before
+    export_hif8(model, tmp_path / "h8")
+    with pytest.raises(FileExistsError, match="not an export of this kind"):
+        export_hf(model, tmp_path / "h8", overwrite=True)  # an 8-bit export is not replaced by an HF one
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not an export of this kind"):
+        export_hif8(model, other, overwrite=True)
+    assert (other / "todo.txt").read_text() == "x"
+
+
 def test_unquantized_model_is_refused(tmp_path, tiny_llama):
     with pytest.raises(ExportError, match="no HiF8Linear"):
         export_hif8(tiny_llama, tmp_path / "exp")

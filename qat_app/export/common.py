@@ -54,16 +54,32 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
 
 
-class StagingDir:
-    """Write into a temporary sibling of ``out_dir`` and rename it into place on success."""
+# what a run directory holds: an export never replaces a directory with any of these in it
+_RUN_FILES = ("*.ckpt", "metrics.csv", "hparams.yaml", "config.yaml", "events.out.tfevents.*")
 
-    def __init__(self, out_dir: str | os.PathLike, overwrite: bool) -> None:
+
+class StagingDir:
+    """Write into a temporary sibling of ``out_dir`` and rename it into place on success.
+
+    ``overwrite`` replaces only an earlier export of the same kind (its ``marker`` file at the top, nothing
+    of a run inside): a run directory, another kind of export or any other directory is refused, so
+    ``--overwrite`` pointed at the wrong place cannot delete checkpoints or logs."""
+
+    def __init__(self, out_dir: str | os.PathLike, overwrite: bool, marker: str) -> None:
         self.target = Path(out_dir).expanduser().absolute()
         if self.target.exists():
             if not self.target.is_dir():
                 raise FileExistsError(f"{self.target} exists and is not a directory")
             if any(self.target.iterdir()) and not overwrite:
                 raise FileExistsError(f"{self.target} already exists and is not empty; pass --overwrite (overwrite=True) to replace it")
+            if any(self.target.iterdir()):
+                run_files = [str(p.relative_to(self.target)) for pattern in _RUN_FILES for p in self.target.rglob(pattern)]
+                if run_files or not (self.target / marker).is_file():
+                    why = (f"it holds files of a run ({', '.join(sorted(run_files)[:3])})" if run_files
+                           else f"it is not an export of this kind (no {marker})")
+                    raise FileExistsError(
+                        f"{self.target}: --overwrite only replaces an earlier export, and {why}; "
+                        "choose another --out directory")
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.path: Path | None = None
 

@@ -45,7 +45,7 @@ def export_hf(
         raise ValueError(f"weights must be 'master' or 'quantized', got {weights!r}")
     model, module_tokenizer, info = unwrap(module_or_model)
     tokenizer = tokenizer if tokenizer is not None else module_tokenizer
-    staging = StagingDir(out_dir, overwrite)  # refuse an existing export before copying anything
+    staging = StagingDir(out_dir, overwrite, HF_EXPORT_INFO)  # refuse an existing export before copying anything
     plain = copy.deepcopy(model)
     cdtype = resolve_dtype(compute_dtype) if compute_dtype is not None else None
     layers = quantized_linears(plain)

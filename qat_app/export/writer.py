@@ -264,7 +264,7 @@ def export_hif8(
             "use export_hf (--format hf) for an unquantized model"
         )
     quant = quant_of(model, layers)
-    staging = StagingDir(out_dir, overwrite)  # refuse an existing export before any work
+    staging = StagingDir(out_dir, overwrite, LAYOUT_FILE)  # refuse an existing export before any work
     state = model.state_dict()
 
     out = _Tensors()
