@@ -8,7 +8,7 @@ value is reported as ``quant.<field>: ...``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
 
 from .errors import ConfigError
@@ -88,18 +88,21 @@ class QuantConfig:
         except FieldError as err:
             raise as_quant_config_error(err) from None
 
+    def _part(self, cls):
+        """The core config ``cls`` with this config's values of its fields (they share the names)."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls) if f.init and hasattr(self, f.name)})
+
     @property
     def recipe(self) -> HiF8Recipe:
-        return HiF8Recipe(self.format, self.amax_algo, self.history_len, self.alpha, self.max_val, self.margin,
-                          self.ste, self.quantize_grads, self.grad_max_val, self.grad_stochastic_rounding)
+        return self._part(HiF8Recipe)
 
     @property
     def selection(self) -> LayerSelection:
-        return LayerSelection(self.module_pattern, self.block_pattern, self.high_precision_layers)
+        return self._part(LayerSelection)
 
     @property
     def runtime(self) -> RuntimeOptions:
-        return RuntimeOptions(self.fused, self.save_8bit_activations, self.quantize_weights, self.quantize_activations)
+        return self._part(RuntimeOptions)
 
     @classmethod
     def from_layer_options(cls, recipe: HiF8Recipe, runtime: RuntimeOptions) -> "QuantConfig":

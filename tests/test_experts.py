@@ -7,14 +7,20 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from qat_app.hif8.experts import HiF8Experts, convert_experts
+from qat_app.hif8.experts import HiF8Experts
+from qat_app.hif8.patch import convert_to_hif8_training, dequantize_model, set_quantization
 from qat_app.hif8.linear import HiF8Linear
-from qat_app.hif8.patch import set_quantization
-from qat_app.hif8.recipe import HiF8Recipe, RuntimeOptions
+from qat_app.hif8.recipe import HiF8Recipe, LayerSelection, RuntimeOptions
 from qat_app.hif8.scaler_bank import advance_all
 from qat_app.hif8.scaling import all_scalers
 
 RECIPE, RUNTIME = HiF8Recipe(amax_algo="max", history_len=3), RuntimeOptions(fused="off")
+
+
+def convert_experts(model, keep=lambda name: True) -> list[str]:
+    """Only the experts modules whose name ``keep`` accepts (a filter_fn selection)."""
+    selection = LayerSelection(filter_fn=lambda module, name: name.endswith(".experts") and keep(name))
+    return convert_to_hif8_training(model, RECIPE, selection, RUNTIME).modules
 E, H, I = 4, 32, 48
 
 
@@ -38,7 +44,7 @@ def routing(step: int, tokens: int = 10):
 def test_per_expert_scalers_equal_a_dense_reference_on_the_routed_tokens():
     model = tiny_mixtral()
     experts = model.model.layers[0].mlp.experts
-    (name,) = convert_experts(model, RECIPE, RUNTIME, keep=lambda n: n.startswith("model.layers.0."))
+    (name,) = convert_experts(model, keep=lambda n: n.startswith("model.layers.0."))
     quantized: HiF8Experts = model.get_submodule(name)
     assert isinstance(quantized, HiF8Experts) and quantized.gate_up_proj is experts.gate_up_proj
     # the reference: one dense HiF8Linear per expert and projection, on copies of the same weights
@@ -79,7 +85,7 @@ def test_quantized_mixtral_trains_and_restores():
     model = tiny_mixtral()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     reference = model(input_ids=ids).logits.detach()
-    names = convert_experts(model, RECIPE, RUNTIME)
+    names = convert_experts(model)
     assert len(names) == 2
     set_quantization(model, weights=False, activations=False)
     assert torch.equal(model(input_ids=ids).logits, reference)  # switched off: the same model
@@ -93,13 +99,11 @@ def test_quantized_mixtral_trains_and_restores():
     assert any(int(s.total_numel) > 0 for s in all_scalers(model))
     state = model.state_dict()
     other = tiny_mixtral()
-    convert_experts(other, RECIPE, RUNTIME)
+    convert_experts(other)
     other.load_state_dict(state)
     model.eval(), other.eval()
     assert torch.equal(model(input_ids=ids).logits, other(input_ids=ids).logits)
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, model.get_submodule(name).to_float())
+    assert dequantize_model(model) == len(names)
     assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
 
 

@@ -17,6 +17,12 @@ def test_openpangu_layout_on_meta_device():
                          num_key_value_heads=12, vocab_size=153376)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    assert_paper_layout(model)
+
+
+def assert_paper_layout(model) -> None:
+    """The paper's layout on an openPangu-Embedded-1B-shaped model: 63 MLP linears of blocks 3-23,
+    594,542,592 parameters; attention and lm_head untouched."""
     report = quantize_model(model, QuantConfig(high_precision_layers=5))
     assert report.num_linears == 63
     assert report.num_params == 594_542_592

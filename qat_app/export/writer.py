@@ -33,11 +33,14 @@ def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None)
     (``fused="off"``), which is bit-identical to the compiled kernel. ``dequantized`` is in
     ``compute_dtype`` (default: the weight's dtype) and equals ``(decode(codes) / scale).to(compute_dtype)``.
     """
-    dtype = compute_dtype or layer.weight.dtype
-    w = layer.weight.detach().to(dtype)
-    result, scale = layer.weight_scaler.quantize(w, layer.format, want_codes=True, fused="off")
-    scale = scale.detach().float().reshape(()).clone()
-    return result.codes, scale, result.dequantized
+    return _quantize_tensor(layer.weight, layer, compute_dtype or layer.weight.dtype)
+
+
+def _quantize_tensor(weight: torch.Tensor, owner, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` quantized by ``owner``'s weight scaler (a HiF8Linear or an expert's projection), in plain
+    torch -> (uint8 codes, float32 0-d scale, dequantized in ``dtype``)."""
+    result, scale = owner.weight_scaler.quantize(weight.detach().to(dtype), owner.format, want_codes=True, fused="off")
+    return result.codes, scale.detach().float().reshape(()).clone(), result.dequantized
 
 
 # a fused experts parameter and the per-expert projections that quantize its slices
@@ -53,12 +56,7 @@ def quantize_experts_param(experts: HiF8Experts, param: str, compute_dtype: torc
     weight = getattr(experts, param)
     projections = getattr(experts, dict(EXPERT_PARAMS)[param])
     dtype = compute_dtype or weight.dtype
-    codes, scales, dequantized = [], [], []
-    for e, proj in enumerate(projections):
-        result, scale = proj.weight_scaler.quantize(weight[e].detach().to(dtype), proj.format, want_codes=True, fused="off")
-        codes.append(result.codes)
-        scales.append(scale.detach().float().reshape(()))
-        dequantized.append(result.dequantized)
+    codes, scales, dequantized = zip(*(_quantize_tensor(weight[e], proj, dtype) for e, proj in enumerate(projections)))
     return torch.stack(codes), torch.stack(scales), torch.stack(dequantized)
 
 

@@ -122,13 +122,3 @@ class HiF8Experts(nn.Module):
         original.gate_up_proj, original.down_proj = self.gate_up_proj, self.down_proj
         original.train(self.training)
         return original
-
-
-def convert_experts(model: nn.Module, recipe: HiF8Recipe, runtime: RuntimeOptions, keep=lambda name: True) -> list[str]:
-    """Replace every fused experts module whose name ``keep`` accepts by :class:`HiF8Experts`; their names."""
-    names = [name for name, module in model.named_modules() if is_fused_experts(module) and keep(name)]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, HiF8Experts(getattr(parent, child), recipe, runtime))
-    return names

@@ -2,9 +2,9 @@
 per-optimizer-step protocol (sync, advance or discard, seed) as a few batched ops on them.
 
 A model has one scaler per quantized tensor (126 for the paper's openPangu, thousands with MoE
-experts). Advancing them one by one costs ~46 tiny kernels each; here every scaler's 0-d buffers are
+experts). Advancing them one by one costs ~50 tiny tensor ops each; here every scaler's 0-d buffers are
 *views* into one float32 ``[9, n]`` and one int64 ``[9, n]`` matrix and its history a row of an
-``[n, H]`` matrix, so one step is ~40 ops whatever ``n`` (TransformerEngine's one fused amax/scale
+``[n, H]`` matrix, so one step is ~73 aten calls (views and indexing included) whatever ``n`` (TransformerEngine's one fused amax/scale
 update, torchao's stacked delayed-scaling histories).
 
 Nothing changes for the rest of the code: each scaler still *has* its buffers (views), so the forward
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .fake_quant import compute_scale
-from .scaling import AmaxScaler
+from .scaling import AmaxScaler, _data_parallel
 
 # Row order matters: the step accumulators come first in each matrix, so one slice zeroes them.
 F32_ROWS = ("step_amax", "step_seen", "step_clipped_anywhere", "a_hat", "scale", "last_amax", "last_a_hat",
@@ -31,10 +31,6 @@ I64_ROWS = ("step_clipped", "step_numel", "steps_recorded", "last_clipped", "las
             "total_numel", "saturation_events", "quantized_steps")
 _F = {name: i for i, name in enumerate(F32_ROWS)}
 _I = {name: i for i, name in enumerate(I64_ROWS)}
-
-
-def _data_parallel(group=None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 class ScalerBank:
