@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import sys
+from typing import Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar
@@ -59,6 +60,34 @@ def _as_dict(value) -> dict:
     return value.as_dict() if hasattr(value, "as_dict") else dict(value)
 
 
+def _relocated(path, old_root: str, new_root: str, field: str) -> str:
+    path, old = os.path.normpath(str(path)), os.path.normpath(old_root)
+    if path == old:
+        return new_root
+    if old == "." and not os.path.isabs(path):
+        return os.path.join(new_root, path)
+    if path.startswith(old.rstrip(os.sep) + os.sep):
+        return os.path.join(new_root, os.path.relpath(path, old))
+    raise ConfigError(f"--run_dir {new_root}: {field}={path} is not under trainer.default_root_dir={old_root}, "
+                      "so it cannot be moved with the run; put it under default_root_dir or set it explicitly")
+
+
+def relocate_run(trainer_cfg, run_dir: str) -> None:
+    """``--run_dir DIR``: every path of the run under ``trainer.default_root_dir`` (the loggers' ``save_dir``,
+    the callbacks' ``dirpath``) moves to the same place under DIR, and DIR becomes the default_root_dir."""
+    old_root = trainer_cfg.get("default_root_dir") or "."
+    for section, key in (("logger", "save_dir"), ("callbacks", "dirpath")):
+        entries = trainer_cfg.get(section)
+        if entries is None or isinstance(entries, bool):
+            continue
+        for i, entry in enumerate(entries if isinstance(entries, list) else [entries]):
+            init_args = entry.get("init_args") if hasattr(entry, "get") else None
+            if init_args is not None and init_args.get(key):
+                init_args[key] = _relocated(init_args[key], old_root, run_dir,
+                                            f"trainer.{section}[{i}].init_args.{key}")
+    trainer_cfg.default_root_dir = run_dir
+
+
 def _user_error_in_chain(err: BaseException) -> BaseException | None:
     seen = set()
     while err is not None and id(err) not in seen:
@@ -79,6 +108,11 @@ class QATCLI(LightningCLI):
         parser.add_lightning_class_args(InitialEvaluationCallback, "initial_eval")
         # after "saturation": its on_fit_end writes the totals the summary reads
         parser.add_lightning_class_args(RunSummaryCallback, "summary")
+        parser.add_argument(
+            "--run_dir", type=Optional[str], default=None,
+            help="put the whole run in DIR: trainer.default_root_dir and every logger save_dir / callback dirpath "
+                 "under it are moved from the configured default_root_dir to DIR (one flag per run, as "
+                 "`main.py study` does)")
         # the data reads text with the model's own tokenizer
         parser.link_arguments("model.model_name", "data.init_args.tokenizer")
         parser.link_arguments("model.trust_remote_code", "data.init_args.trust_remote_code")
@@ -129,6 +163,8 @@ class QATCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if cfg.get("run_dir"):
+            relocate_run(cfg.trainer, cfg.run_dir)
         data_args = cfg.get("data", {}).get("init_args", {}) or {}
         global_batch = data_args.get("global_batch_size")
         if global_batch:
@@ -216,22 +252,25 @@ class QATCLI(LightningCLI):
         cfg["ckpt_path"] = ckpt_path  # exactly the file that was checked
 
 
+def cli_kwargs() -> dict:
+    """The LightningCLI arguments of every entry point (the CLI, the study's parse-only check)."""
+    return dict(
+        model_class=QATModule,
+        datamodule_class=L.LightningDataModule,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        # always on, no settings: RNG states of every rank in checkpoints (exact resume)
+        trainer_defaults={"callbacks": [RNGStateCallback()]},
+    )
+
+
 def cli_main(args: list[str] | None = None, run: bool = True) -> QATCLI:
     """``args=None`` reads ``sys.argv`` (a list: as if typed, for tests); ``run=False`` only builds model,
     data and trainer (no subcommand), as :mod:`tests.test_configs` does for every shipped config."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    return QATCLI(
-        QATModule,
-        L.LightningDataModule,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        # always on, no settings: RNG states of every rank in checkpoints (exact resume)
-        trainer_defaults={"callbacks": [RNGStateCallback()]},
-        args=args,
-        run=run,
-    )
+    return QATCLI(**cli_kwargs(), args=args, run=run)
 
 
 # LightningCLI's subcommands (it also has ``predict``, which QATModule does not implement)
@@ -240,6 +279,7 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 EXTRA_COMMANDS = {
     "report": ("qat_app.report", "the paper's results table and figures from run logs"),
     "export": ("qat_app.export", "8-bit HiF8 (or plain HF) export of a QATModule checkpoint"),
+    "study": ("qat_app.study", "run a study: the initial evaluation, every run of a study file, the reports"),
 }
 
 

@@ -59,7 +59,8 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         tokenizer: name resolved by :func:`resolve_tokenizer`; or call :meth:`set_tokenizer`.
         num_fewshot: shots for every task, or a mapping task -> shots. MMLU takes the first n dev
             examples (up to 5); ARC/HellaSwag sample from their training split (hub only).
-        limit: at most this many docs per task (per subject for MMLU, like lm-eval), drawn with ``seed``.
+        limit: at most this many docs per task (per subject for MMLU, like lm-eval), drawn with ``seed``;
+            or a mapping task -> limit (a task left out, or mapped to null, takes all its docs).
         seed: seed of the ``limit`` draw.
         batch_size: *examples* per batch (each gives one row when packed, one per distinct choice
             otherwise).
@@ -79,7 +80,7 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         tasks: list[str] = ["arc_challenge", "hellaswag", "mmlu"],  # noqa: B006 -- contract: a list default for the CLI
         tokenizer: str = EMBEDDED_SMOLLM2,
         num_fewshot: int | dict[str, int] = 0,
-        limit: int | None = None,
+        limit: int | dict[str, int | None] | None = None,
         seed: int = 1234,
         batch_size: int = 32,
         max_length: int = 2048,
@@ -103,10 +104,9 @@ class BenchmarkDataModule(lightning.LightningDataModule):
             raise ValueError(f"source must be 'auto', 'hub' or 'local', got {source!r}")
         if batch_size <= 0 or max_length <= 1:
             raise ValueError(f"batch_size ({batch_size}) and max_length ({max_length}) must be positive")
-        if limit is not None and limit <= 0:
-            raise ValueError(f"limit must be positive or None, got {limit}")
         self.tasks = list(tasks)
         self.num_fewshot = self._fewshot_per_task(num_fewshot)
+        self.limits = self._limit_per_task(limit)
         self.mmlu_subjects = validate_mmlu_subjects(mmlu_subjects)
         self.tokenizer_name = tokenizer
         self.limit = limit
@@ -134,6 +134,19 @@ class BenchmarkDataModule(lightning.LightningDataModule):
                 raise ValueError(f"num_fewshot for {task} must be in [0, {5 if task == 'mmlu' else 'inf'}), got {n}")
         return shots
 
+    def _limit_per_task(self, limit: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
+        if isinstance(limit, Mapping):
+            unknown = [task for task in limit if task not in self.tasks]
+            if unknown:
+                raise ValueError(f"limit names task(s) {unknown} that are not in tasks={self.tasks}")
+            limits = {task: limit.get(task) for task in self.tasks}
+        else:
+            limits = {task: limit for task in self.tasks}
+        for task, n in limits.items():
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+                raise ValueError(f"limit for {task} must be a positive integer or null (all docs), got {n!r}")
+        return limits
+
     @property
     def task_names(self) -> list[str]:
         return list(self.tasks)
@@ -157,7 +170,7 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         provenance = []
         for task in self.tasks:
             examples, lines = load_task_examples(
-                task, self.num_fewshot[task], self.limit, self.seed, self.source, self.mmlu_subjects
+                task, self.num_fewshot[task], self.limits[task], self.seed, self.source, self.mmlu_subjects
             )
             tokenized = tokenize_examples(examples, tokenizer, self.max_length, self.pack_choices)
             self.datasets[task] = BenchmarkDataset(task, examples, tokenized, group_by_subject=self.share_prefix)

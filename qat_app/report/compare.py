@@ -19,7 +19,7 @@ COMPARISONS = {"forgetting": ("initial", "baseline"), "quantization": ("baseline
 
 # config fields a QAT run may set differently from its baseline: quantization and bookkeeping paths
 ALLOWED_CONFIG_DIFFERENCES = re.compile(
-    r"^(model\.quant|warmup|saturation|ckpt_path|trainer\.default_root_dir)(\.|$)"
+    r"^(model\.quant|warmup|saturation|ckpt_path|run_dir|trainer\.default_root_dir)(\.|$)"
     r"|^trainer\.logger(\.\d+)?\.init_args\.(save_dir|name|version)$"
     r"|^trainer\.callbacks(\.\d+)?\.init_args\.dirpath$"
 )
