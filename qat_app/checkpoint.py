@@ -14,8 +14,12 @@ A checkpoint is accepted when it
     ``save_weights_only`` checkpoint cannot resume a run),
   * holds exactly the state of this model: the same parameter and buffer names and shapes (every
     HiF8Linear with its amax histories of the configured length, the same quantized layers).
-Hyperparameters that differ without changing the state (``lr``, ``quant.amax_algo``, ...) are reported
-as a warning: the run continues with the new values, so it is no longer the same run.
+Settings given now that differ from the checkpoint's: with ``--ckpt_path last`` and with a FILE alike, a
+resume continues the saved run, so what defines the run -- the model (``model_name``, ``dtype``, every
+``quant.*``), the data (every ``data.*`` but the benchmarks and ``val_batch_size``, the devices x workers
+the data stream was split over) and ``warmup.warmup_steps`` -- is refused when changed
+(:class:`ResumeSettingsError`, naming each setting and both values); optimisation settings (``lr``,
+``weight_decay``, the schedule, ...) may change: the new value is used, with a warning.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
+# model hyperparameters a resume may change (the new value is used, with a warning); any other is refused
+SOFT_MODEL_SETTINGS = ("lr", "weight_decay", "betas", "eps", "lr_schedule", "lr_warmup_steps", "min_lr_ratio",
+                       "max_consecutive_nonfinite", "gradient_checkpointing")
+SOFT_DATA_SETTINGS = ("val_batch_size", "benchmarks")
 _RESUME_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "global_step")
 _MAX_LISTED = 6
 
@@ -58,14 +66,66 @@ def run_checkpoints(trainer) -> list[str]:
     return sorted(existing, key=lambda f: (os.path.getmtime(f), os.path.basename(f).startswith("last")), reverse=True)
 
 
-def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_state=True):
+class ResumeSettingsError(CheckpointError):
+    """The checkpoint is intact but was saved with settings that a resume cannot change."""
+
+
+def _find_value(obj: Any, key: str, depth: int = 0):
+    if depth > 8:
+        return None
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        values = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    else:
+        return None
+    for value in values:
+        found = _find_value(value, key, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def resume_setting_changes(ckpt: dict, module, datamodule=None, trainer=None, warmup_steps: int | None = None):
+    """-> (refused, allowed): ``"setting: saved -> now"`` lines for the settings given now that differ from
+    the checkpoint's (see the module docstring for which a resume may change)."""
+    refused, allowed = [], []
+    for line in hparam_differences(ckpt.get("hyper_parameters"), getattr(module, "hparams", None)):
+        key = line.split(":", 1)[0][len("model."):]
+        (allowed if key.split(".")[0] in SOFT_MODEL_SETTINGS else refused).append(line)
+    saved_data = ckpt.get("datamodule_hyper_parameters")
+    if datamodule is not None and isinstance(saved_data, dict):
+        for line in hparam_differences(saved_data, getattr(datamodule, "hparams", None)):
+            key = line.split(":", 1)[0][len("model."):]
+            line = "data." + line[len("model."):]
+            (allowed if key.split(".")[0] in SOFT_DATA_SETTINGS else refused).append(line)
+    consumers = _find_value(ckpt.get("loops"), "num_consumers")
+    workers = getattr(datamodule, "num_workers", None)
+    if trainer is not None and isinstance(consumers, int) and isinstance(workers, int):
+        now = trainer.world_size * max(1, workers)
+        if consumers != now:
+            refused.append(f"devices x data.num_workers (data stream consumers): {consumers} -> {now} "
+                           f"({trainer.world_size} device(s) x {max(1, workers)})")
+    saved_warmup = _find_value(ckpt.get("callbacks"), "warmup_steps")
+    if warmup_steps is not None and isinstance(saved_warmup, int) and saved_warmup != warmup_steps:
+        refused.append(f"warmup.warmup_steps: {saved_warmup} -> {warmup_steps}")
+    return refused, allowed
+
+
+def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_state=True, datamodule=None,
+                             warmup_steps=None):
     """-> (path, summary, refused): the newest checkpoint of the run that :func:`validate_resume_checkpoint`
     accepts, and the newer ones it refused with why (a save killed midway leaves a truncated file).
     (None, None, refused) when none is usable."""
     refused: list[tuple[str, str]] = []
     for path in run_checkpoints(trainer):
         try:
-            return path, validate_resume_checkpoint(path, module, weights_only, need_training_state), refused
+            return path, validate_resume_checkpoint(path, module, weights_only, need_training_state, datamodule,
+                                                    trainer, warmup_steps), refused
+        except ResumeSettingsError:
+            raise  # intact, but not this run's settings: an older checkpoint would not be either
         except CheckpointError as err:
             refused.append((path, str(err)))
     return None, None, refused
@@ -88,6 +148,12 @@ def load_checkpoint_file(path: str, weights_only: bool | None = None) -> dict[st
     A directory (a sharded checkpoint, e.g. FSDP ``state_dict_type="sharded"``) is left to the strategy to
     load and check: returns None."""
     if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, ".metadata")):
+            inside = sorted(f for f in os.listdir(path) if f.endswith(".ckpt"))
+            raise CheckpointError(
+                f"--ckpt_path {path} is a directory, not a checkpoint file (nor a sharded checkpoint: no .metadata)"
+                + (f"; it holds {_listed(inside)}: give one of them, e.g. {os.path.join(path, inside[-1])}" if inside
+                   else "; it holds no .ckpt file"))
         log.info("checkpoint %s is a directory (sharded): its contents are checked by the strategy on load", path)
         return None
     if not os.path.isfile(path):
@@ -155,7 +221,8 @@ def check_checkpoint_file(
 
 
 def validate_resume_checkpoint(
-    path: str, module: torch.nn.Module, weights_only: bool | None = None, need_training_state: bool = True
+    path: str, module: torch.nn.Module, weights_only: bool | None = None, need_training_state: bool = True,
+    datamodule=None, trainer=None, warmup_steps: int | None = None,
 ) -> dict[str, Any]:
     """Raise :class:`CheckpointError` unless ``path`` is a checkpoint of ``module`` (with the complete training
     state when ``need_training_state``, i.e. for resuming a fit).
@@ -189,9 +256,18 @@ def validate_resume_checkpoint(
             + (f" (it was written for model_name={name!r})" if name else "")
             + f": {'; '.join(parts)}{hint}"
         )
-    if diffs:
-        log.warning("resuming from %s with changed settings (checkpoint -> now): %s", path, _listed(diffs))
-    return {"global_step": ckpt.get("global_step"), "differences": diffs}
+    if not need_training_state:  # evaluating a checkpoint: its model is what is evaluated
+        return {"global_step": ckpt.get("global_step"), "differences": diffs}
+    refused, allowed = resume_setting_changes(ckpt, module, datamodule, trainer, warmup_steps)
+    if refused:
+        raise ResumeSettingsError(
+            f"checkpoint {path} was saved with other settings, which a resume cannot change (saved -> now): "
+            f"{'; '.join(refused)}. To continue that run, drop these changes; to train with them, start a new "
+            "run (another --run_dir) instead of resuming")
+    if allowed:
+        log.warning("resuming from %s with changed settings (checkpoint -> now; the new values are used): %s",
+                    path, _listed(allowed))
+    return {"global_step": ckpt.get("global_step"), "differences": allowed}
 
 
 def _filled_on_load(key: str, saved: dict) -> bool:

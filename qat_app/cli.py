@@ -88,6 +88,39 @@ def relocate_run(trainer_cfg, run_dir: str) -> None:
     trainer_cfg.default_root_dir = run_dir
 
 
+def check_accelerator(trainer_cfg) -> None:
+    """``trainer.accelerator`` / ``devices`` / ``strategy`` that this machine cannot run, refused before the
+    batch arithmetic (which would otherwise report the wrong cause) and before Lightning's own traceback."""
+    import torch
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from qat_app.cli_errors import nearest
+
+    accelerator, devices = trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto")
+    strategy = trainer_cfg.get("strategy", "auto")
+    if isinstance(accelerator, str):
+        known = ["auto", "gpu", *AcceleratorRegistry.available_accelerators()]
+        if accelerator not in known:
+            close = nearest(accelerator, known)
+            raise ConfigError(f"trainer.accelerator={accelerator}: unknown; expected one of {', '.join(known)}"
+                              + (f" (did you mean {close[0]}?)" if close else ""))
+        if accelerator in ("gpu", "cuda"):
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if visible == 0:
+                raise ConfigError(f"trainer.accelerator={accelerator}, but torch sees no CUDA GPU on this machine "
+                                  "(torch.cuda.is_available() is False); use --trainer.accelerator cpu")
+            wanted = _world_size({"devices": devices, "accelerator": accelerator})
+            if wanted > visible:
+                raise ConfigError(f"trainer.devices={devices}: this machine has {visible} visible GPU(s)")
+    if isinstance(strategy, str) and strategy != "auto":
+        known = StrategyRegistry.available_strategies()
+        if strategy not in known:
+            close = nearest(strategy, known)
+            raise ConfigError(f"trainer.strategy={strategy}: unknown; e.g. ddp, fsdp, model_parallel, auto"
+                              + (f" (did you mean {close[0]}?)" if close else ""))
+
+
 def _user_error_in_chain(err: BaseException) -> BaseException | None:
     seen = set()
     while err is not None and id(err) not in seen:
@@ -117,6 +150,20 @@ class QATCLI(LightningCLI):
         parser.link_arguments("model.model_name", "data.init_args.tokenizer")
         parser.link_arguments("model.trust_remote_code", "data.init_args.trust_remote_code")
 
+    def parse_arguments(self, parser, args) -> None:
+        """jsonargparse's errors (a page of union subtypes and raw values) become one line naming the field."""
+        import argparse
+
+        from qat_app.cli_errors import explain_argument_error
+
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as err:
+            argv = list(sys.argv[1:] if args is None else args)
+            subcommand = next((a for a in argv if a in self.subcommands()), None)
+            subparsers = getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", {})
+            raise ConfigError(explain_argument_error(str(err), argv, subparsers.get(subcommand, parser))) from None
+
     def _instantiate_trainer(self, config: dict, callbacks: list) -> L.Trainer:
         """Add the default :class:`StepProgressBar` where Lightning would add its own bar: not next to a
         progress bar of the user's (Lightning refuses two) nor with ``enable_progress_bar: false``."""
@@ -128,10 +175,12 @@ class QATCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _parse_ckpt_path(self) -> None:
-        """Check an explicit ``--ckpt_path`` file before LightningCLI reads the model settings out of it.
+        """Check an explicit ``--ckpt_path`` file before anything is built from it.
 
-        (Lightning 2.6 replaces the configured ``model.*`` settings by the checkpoint's hyperparameters
-        when ``ckpt_path`` is a file, so the model matches the checkpoint; the replaced values are logged.)
+        ``fit`` resumes the saved run: the configured settings are kept and compared with the checkpoint's in
+        :meth:`before_fit` (a changed model, data or warmup setting is refused, as with ``--ckpt_path last``).
+        ``validate`` / ``test`` evaluate the saved model: as in Lightning 2.6, the checkpoint's ``model.*``
+        settings replace the configured ones (the replaced values are logged).
         """
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -143,6 +192,8 @@ class QATCLI(LightningCLI):
             str(ckpt_path), weights_only=self.config[subcommand].get("weights_only"),
             need_training_state=subcommand == "fit", module_class=QATModule,
         )
+        if subcommand == "fit":
+            return
         before = _as_dict(self.config[subcommand].get("model"))
         super()._parse_ckpt_path()
         changed = hparam_differences(before, _as_dict(self.config[subcommand].get("model")))
@@ -165,6 +216,13 @@ class QATCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.get("run_dir"):
             relocate_run(cfg.trainer, cfg.run_dir)
+        check_accelerator(cfg.trainer)
+        model = cfg.get("model") or {}
+        if model.get("model_name") is not None:
+            from qat_app.models import check_model_source, resolve_dtype
+
+            check_model_source(model.get("model_name"), model.get("gguf_file"))
+            resolve_dtype(model.get("dtype", "float32"))
         data_args = cfg.get("data", {}).get("init_args", {}) or {}
         global_batch = data_args.get("global_batch_size")
         if global_batch:
@@ -193,11 +251,19 @@ class QATCLI(LightningCLI):
             )
 
     def before_fit(self) -> None:
-        """Resolve and check ``--ckpt_path`` before the trainer writes anything (config, logs, checkpoints)."""
+        """Resolve and check ``--ckpt_path`` and the data before the trainer writes anything (config, logs,
+        checkpoints)."""
         self._check_ckpt_path(need_training_state=True)
+        self._check_data()
+
+    def _check_data(self) -> None:
+        check = getattr(self.datamodule, "check_inputs", None)
+        if check is not None:
+            check(self.trainer.world_size)
 
     def before_validate(self) -> None:
         self._check_ckpt_path(need_training_state=False)
+        self._check_data()
         if self.config_init[self.subcommand].get("ckpt_path") is None:
             self._refuse_quantized_model_without_history()
 
@@ -227,9 +293,11 @@ class QATCLI(LightningCLI):
         if ckpt_path != "last" and not _is_checkpoint_file_arg(ckpt_path):
             return
         weights_only = cfg.get("weights_only")
+        run = dict(datamodule=self.datamodule, warmup_steps=next(
+            (cb.warmup_steps for cb in self.trainer.callbacks if isinstance(cb, BF16WarmupCallback)), None))
         if str(ckpt_path) == "last":
             ckpt_path, summary, refused = newest_intact_checkpoint(self.trainer, self.model, weights_only,
-                                                                    need_training_state)
+                                                                    need_training_state, **run)
             for path, why in refused:
                 log.warning("--ckpt_path last: skipping %s: %s", path, why)
             if ckpt_path is None:
@@ -246,7 +314,7 @@ class QATCLI(LightningCLI):
         else:
             ckpt_path = str(ckpt_path)
             summary = validate_resume_checkpoint(ckpt_path, self.model, weights_only=weights_only,
-                                                 need_training_state=need_training_state)
+                                                 need_training_state=need_training_state, trainer=self.trainer, **run)
         if need_training_state:
             log.info("checkpoint %s (global step %s) checked: resuming", ckpt_path, summary["global_step"])
         cfg["ckpt_path"] = ckpt_path  # exactly the file that was checked
@@ -259,6 +327,7 @@ def cli_kwargs() -> dict:
         datamodule_class=L.LightningDataModule,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": False},  # errors reach QATCLI.parse_arguments, which explains them
         # always on, no settings: RNG states of every rank in checkpoints (exact resume)
         trainer_defaults={"callbacks": [RNGStateCallback()]},
     )
@@ -270,6 +339,8 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> QATCLI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # datasets' file readers log a traceback before raising; the error is reported once, as DataError
+    logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
     return QATCLI(**cli_kwargs(), args=args, run=run)
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from . import openpangu
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -68,20 +69,21 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 # --------------------------------------------------------------------------------------------- utils
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, field: str = "model.dtype") -> torch.dtype:
     """``"bfloat16"/"bf16"/"float32"/"fp32"/"float16"/"fp16"`` (also ``"torch.bfloat16"``) or a floating
     ``torch.dtype`` -> ``torch.dtype``; anything else raises ``ValueError`` listing the choices."""
     if isinstance(dtype, torch.dtype):
         if dtype.is_floating_point:
             return dtype
-        raise ValueError(f"model dtype must be a floating point dtype, got {dtype}")
+        raise ConfigError(f"{field} must be a floating point dtype, got {dtype}")
     if isinstance(dtype, str):
         key = dtype.strip().lower()
         if key.startswith("torch."):
             key = key[len("torch.") :]
         if key in _DTYPES:
             return _DTYPES[key]
-    raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)} or a floating torch.dtype")
+    raise ConfigError(f"{field}={dtype!r} is not a floating point dtype the weights can be stored in; use one of "
+                      f"{', '.join(sorted(_DTYPES))} (float8 is what QAT simulates, not a storage dtype)")
 
 
 def cache_root() -> Path:
@@ -102,7 +104,7 @@ def embedded_gguf_path(name: str = EMBEDDED_MODEL) -> Path:
     key = name[len(EMBEDDED_PREFIX) :] if is_embedded(name) else name
     if key not in _EMBEDDED_MODELS:
         known = ", ".join(EMBEDDED_PREFIX + k for k in _EMBEDDED_MODELS)
-        raise ValueError(f"unknown embedded model {name!r}; known: {known}")
+        raise ModelSourceError(f"model.model_name: unknown embedded model {name!r}; known: {known}")
     package, filename, dist = _EMBEDDED_MODELS[key]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -174,11 +176,79 @@ def _openpangu_config(src: str, local: bool, gguf_file: str | None, revision: st
     return config if openpangu.is_openpangu_config(config) else None
 
 
-def _hub_error(name: str, exc: Exception) -> OSError:
-    return OSError(
-        f"could not load {name!r}: it is not a local directory and loading it from the Hugging Face Hub "
-        f"failed ({type(exc).__name__}: {exc})"
+class ModelSourceError(ConfigError, OSError):
+    """``model.model_name`` / ``model.gguf_file`` name nothing loadable; the message says what is missing."""
+
+
+def _hub_error(name: str, exc: Exception) -> ModelSourceError:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return ModelSourceError(
+        f"model.model_name={name!r}: there is no such directory (relative to {os.getcwd()}), and as a Hugging "
+        f"Face Hub id it could not be loaded ({type(exc).__name__}: {first}); check the path, or go online / "
+        "set HF_HOME to a cache that holds it"
     )
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model", "vocab.txt")
+
+
+def check_model_source(name_or_path: str, gguf_file: str | None = None) -> None:
+    """Refuse, before anything is loaded or written, a ``model.model_name`` / ``model.gguf_file`` that cannot
+    load: a file that is not a .gguf, a directory without config.json, weights or tokenizer files, a missing
+    ``gguf_file``, ``gguf_file`` next to the embedded model (which has its own). Hub ids pass (checked on load)."""
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise ModelSourceError(f"model.model_name must be a model directory, a .gguf file or a hub id, got {name_or_path!r}")
+    if is_embedded(name_or_path):
+        if gguf_file is not None:
+            raise ModelSourceError(
+                f"model.gguf_file={gguf_file!r} cannot be used with model.model_name={name_or_path!r} (the embedded "
+                "model brings its own GGUF); to load a GGUF file, give its directory as model.model_name")
+        embedded_gguf_path(name_or_path)
+        return
+    path = Path(os.path.expanduser(name_or_path))
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSourceError(f"model.model_name={name_or_path} is a file; give the model's directory (config.json, "
+                                   "weights, tokenizer files) or a .gguf file")
+        if gguf_file is not None:
+            raise ModelSourceError(f"model.gguf_file={gguf_file!r}: model.model_name is already the GGUF file {path}")
+        return
+    if not path.is_dir():
+        if _looks_like_local_path(name_or_path):
+            raise ModelSourceError(f"model.model_name={name_or_path}: no such directory (relative to {os.getcwd()})")
+        return  # a hub id, or a missing directory that looks like one: the load says which
+    files = {p.name for p in path.iterdir()}
+    if gguf_file is not None:
+        if gguf_file not in files:
+            ggufs = sorted(f for f in files if f.endswith(".gguf"))
+            raise ModelSourceError(f"model.gguf_file={gguf_file!r} is not in {path}"
+                                   + (f" (it holds {', '.join(ggufs)})" if ggufs else " (it holds no .gguf file)"))
+        return
+    missing = []
+    if "config.json" not in files:
+        missing.append("config.json")
+    if not (files & set(WEIGHT_FILES) or any(f.endswith(".safetensors") for f in files)):
+        ggufs = sorted(f for f in files if f.endswith(".gguf"))
+        if ggufs:
+            raise ModelSourceError(f"model.model_name={path} holds GGUF weights ({', '.join(ggufs)}) and no HF weights; "
+                                   f"name the file with --model.gguf_file {ggufs[0]}")
+        missing.append(f"weights ({', '.join(WEIGHT_FILES[:3])} or *.safetensors shards)")
+    if not files & set(TOKENIZER_FILES):
+        missing.append(f"tokenizer files ({', '.join(TOKENIZER_FILES[:3])})")
+    if missing:
+        raise ModelSourceError(f"model.model_name={path} is not a loadable model directory: it has no {'; no '.join(missing)}")
+
+
+def check_finite_weights(model, name: str) -> None:
+    """Refuse weights holding NaN / inf (a corrupt or overflowed checkpoint): every training step would be
+    skipped as non-finite and the run would save an untrained model. One pass over the weights, at load."""
+    flags = [(n, torch.isfinite(p).all()) for n, p in model.named_parameters()]
+    bad = [n for n, ok in flags if not bool(ok)]
+    if bad:
+        raise ModelSourceError(
+            f"model.model_name={name}: {len(bad)} of {len(flags)} weight tensors hold NaN or inf (first: "
+            f"{', '.join(bad[:3])}); the checkpoint is corrupt, so every training step would be skipped")
 
 
 # --------------------------------------------------------------------------------------------- GGUF
@@ -397,6 +467,7 @@ def load_causal_lm(
                 raise
             raise _hub_error(name_or_path, e) from e
     _check_tied(model)
+    check_finite_weights(model, name_or_path)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     model.eval()
@@ -407,6 +478,8 @@ __all__ = [
     "EMBEDDED_MODEL",
     "cache_root",
     "default_model_cache_dir",
+    "ModelSourceError",
+    "check_model_source",
     "dequantized_copy",
     "embedded_gguf_path",
     "embedded_model_dir",

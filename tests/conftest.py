@@ -29,18 +29,9 @@ def embedded_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
     """A tiny random Llama saved with the embedded SmolLM2 tokenizer, loadable by name like a hub model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests._tiny_models import save_tiny_llama
 
-    path = tmp_path_factory.mktemp("tiny_model")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=len(embedded_tokenizer), max_position_embeddings=256, tie_word_embeddings=True,
-        eos_token_id=embedded_tokenizer.eos_token_id, pad_token_id=embedded_tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    embedded_tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_model"), embedded_tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -26,17 +26,10 @@ CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(cli.__fi
 @pytest.fixture(scope="module")
 def deep_tiny_model_dir(tmp_path_factory, embedded_tokenizer):
     """A tiny Llama with 8 blocks, so the configs' ``high_precision_layers: 5`` still leaves blocks to quantize."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests._tiny_models import save_tiny_llama
 
-    path = tmp_path_factory.mktemp("deep_tiny_model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=len(embedded_tokenizer), max_position_embeddings=64, tie_word_embeddings=True,
-        eos_token_id=embedded_tokenizer.eos_token_id, pad_token_id=embedded_tokenizer.pad_token_id,
-    )).save_pretrained(path)
-    embedded_tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("deep_tiny_model"), embedded_tokenizer, hidden_size=16,
+                           intermediate_size=32, num_hidden_layers=8, max_position_embeddings=64)
 
 
 def test_configs_are_found():

@@ -157,7 +157,7 @@ def test_versions_are_merged_and_later_wins(tmp_path):
     assert rp.load_run(root / "logs" / "version_0").series("train/loss") == {0: 1.0, 1: 2.0}
 
 
-def test_bad_inputs_name_the_file(tmp_path):
+def test_bad_inputs_name_the_file(tmp_path, capsys):
     empty = tmp_path / "empty_run"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="empty_run: no metrics.csv"):
@@ -182,8 +182,8 @@ def test_bad_inputs_name_the_file(tmp_path):
     (good / "saturation_summary.json").write_text("{broken")
     with pytest.raises(rp.ReportError, match="saturation_summary.json"):
         rp.load_run(good)
-    with pytest.raises(SystemExit, match="empty_run"):
-        rp.main(["--baseline", str(empty), "--qat", str(good), "--out", str(tmp_path / "o")])
+    assert rp.main(["--baseline", str(empty), "--qat", str(good), "--out", str(tmp_path / "o")]) == 2
+    assert "empty_run" in capsys.readouterr().err
     with pytest.raises(rp.ReportError, match="--labels"):
         rp.build_report(good, [good], tmp_path / "o", labels=["a", "b", "c"])
 
@@ -344,7 +344,7 @@ def test_mmlu_subjects_and_categories_from_records():
 
 
 # ---------------------------------------------------------------------------------------- checks
-def test_config_mismatch_is_refused_and_force_warns(tmp_path):
+def test_config_mismatch_is_refused_and_force_warns(tmp_path, capsys):
     arc = records("arc_challenge", _correct(100, 50), 3)
     base = make_run(tmp_path / "base", False, final=arc)
     qat = make_run(tmp_path / "qat", True, final=arc, cfg=config(tmp_path / "qat", True, **{"model.lr": 1e-4}))
@@ -359,8 +359,8 @@ def test_config_mismatch_is_refused_and_force_warns(tmp_path):
     report = rp.build_report(base, [qat], tmp_path / "out", force=True)
     assert any("model.lr" in w for w in report["warnings"])
     assert "> **warning:** forced (--force)" in (tmp_path / "out" / "results.md").read_text()
-    with pytest.raises(SystemExit, match="model.lr"):
-        rp.main(["--baseline", str(base), "--qat", str(qat), "--out", str(tmp_path / "o")])
+    assert rp.main(["--baseline", str(base), "--qat", str(qat), "--out", str(tmp_path / "o")]) == 2
+    assert "model.lr" in capsys.readouterr().err
     assert rp.main(["--baseline", str(base), "--qat", str(qat), "--out", str(tmp_path / "o"), "--force"]) == 0
 
 

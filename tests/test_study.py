@@ -31,14 +31,15 @@ RUNS = ("base", "qat_max", "qat_recent")
 
 
 class PauseAtStep(L.Callback):
-    """At optimizer step ``step`` (after that step's checkpoint), write ``flag`` and wait to be killed --
-    unless ``flag`` exists already (the restarted study must run through)."""
+    """In the run named ``run``, at optimizer step ``step`` (after the step-2 checkpoint), write ``flag`` and
+    wait to be killed -- unless ``flag`` exists already (the restarted study must run through)."""
 
-    def __init__(self, step: int, flag: str) -> None:
-        self.step, self.flag = step, flag
+    def __init__(self, run: str, step: int, flag: str) -> None:
+        self.run, self.step, self.flag = run, step, flag
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and not os.path.exists(self.flag):
+        if (Path(trainer.default_root_dir).name == self.run and trainer.global_step == self.step
+                and not os.path.exists(self.flag)):
             Path(self.flag).write_text(str(os.getpid()))
             time.sleep(600)
 
@@ -56,8 +57,8 @@ def _base_config(tmp_path, model_dir, corpus, pause_flag: Path) -> str:
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                  "init_args": {"dirpath": str(root / "checkpoints"), "save_last": True, "every_n_train_steps": 2,
                                "save_top_k": -1}},
-                # only the second run pauses (its args switch it on), the others pass step 10**6 never
-                {"class_path": "tests.test_study.PauseAtStep", "init_args": {"step": 10**6, "flag": str(pause_flag)}},
+                {"class_path": "tests.test_study.PauseAtStep",
+                 "init_args": {"run": "qat_max", "step": 3, "flag": str(pause_flag)}},
             ],
             "warmup.warmup_steps": 2,
             "data.init_args.benchmarks": {
@@ -74,7 +75,7 @@ def _study_file(tmp_path, base: str, out_dir: Path, name="study.yaml", **changes
         "out_dir": str(out_dir),
         "runs": [
             {"name": "base", "args": "--model.quant.enabled false --warmup.warmup_steps 0"},
-            {"name": "qat_max", "args": "--trainer.callbacks.init_args.step 3"},
+            {"name": "qat_max", "args": ""},
             {"name": "qat_recent", "args": "--model.quant.amax_algo most_recent --warmup.warmup_steps 0"},
         ],
         "reports": [{"name": "main", "baseline": "base", "qat": ["qat_max", "qat_recent"]}],
@@ -196,8 +197,8 @@ def test_dry_run_commands_by_hand_make_the_same_runs(finished_study, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"runs": [{"name": "a", "args": "--model.quant.amax_algo mostrecent"}]}, "run 'a': Parser key \"model.quant.amax_algo\""),
-    ({"runs": [{"name": "a", "args": "--model.lrr 1e-4"}]}, "run 'a': unrecognized arguments: --model.lrr"),
+    ({"runs": [{"name": "a", "args": "--model.quant.amax_algo mostrecent"}]}, "run 'a': model.quant.amax_algo=mostrecent: expected one of most_recent"),
+    ({"runs": [{"name": "a", "args": "--model.lrr 1e-4"}]}, "run 'a': unknown flag --model.lrr (did you mean --model.lr?)"),
     ({"runs": [{"name": "a", "args": "--warmup.warmup_steps 50"}]}, "run 'a': warmup.warmup_steps (50) must be smaller"),
     ({"runs": [{"name": "a", "args": "--run_dir elsewhere"}]}, "run 'a' args: --run_dir is set by the study itself"),
     ({"runs": [{"name": "a"}, {"name": "a"}]}, "runs[1].name='a' is given twice"),
@@ -207,17 +208,20 @@ def test_dry_run_commands_by_hand_make_the_same_runs(finished_study, tmp_path):
     ({"runs": [{"name": "a", "args": "--model.lr '1e-4"}]}, "cannot split"),
     ({"runs": [{"name": "a", "argz": "--model.lr 1e-4"}]}, "argz"),
 ])
-def test_bad_study_file_fails_before_any_run(finished_study, tmp_path, change, message):
+def test_bad_study_file_fails_before_any_run(finished_study, tmp_path, change, message, capsys, monkeypatch):
+    from qat_app.study import main as study_main
+
+    monkeypatch.chdir(REPO)
     out = tmp_path / "runs"
     if "runs" in change and "reports" not in change:
         change = {**change, "reports": []}
     study = _study_file(tmp_path, finished_study["base"], out, **change)
-    done = _study("--config", study, timeout=120)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert error and message in done.stderr, done.stderr
+    code = study_main(["--config", str(study)])  # in-process: an uncaught exception fails the test
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    error = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert error and message in stderr, stderr
     assert str(study) in error[0]
-    assert "Traceback" not in done.stderr
     assert not out.exists()  # nothing ran, nothing was written
 
 

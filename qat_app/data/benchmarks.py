@@ -13,10 +13,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import lightning
 from torch.utils.data import DataLoader
 
+from qat_app.errors import ConfigError
 from qat_app.eval.dataset import BenchmarkDataset, tokenize_examples
 from qat_app.eval.examples import MultipleChoiceExample, load_task_examples
 from qat_app.eval.layout import BenchmarkCollator
@@ -59,8 +61,12 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         tokenizer: name resolved by :func:`resolve_tokenizer`; or call :meth:`set_tokenizer`.
         num_fewshot: shots for every task, or a mapping task -> shots. MMLU takes the first n dev
             examples (up to 5); ARC/HellaSwag sample from their training split (hub only).
-        limit: at most this many docs per task (per subject for MMLU, like lm-eval), drawn with ``seed``;
-            or a mapping task -> limit (a task left out, or mapped to null, takes all its docs).
+        limit: at most this many docs per task (per subject for MMLU, like lm-eval); or a mapping task ->
+            limit (a task left out, or mapped to null, takes all its docs).
+        limit_mode: which ``limit`` docs: "sample" (default) draws them without replacement with ``seed``
+            (spread over the whole split); "first" takes the first ones, as lm-eval's ``--limit N`` does.
+        doc_ids: exact 0-based doc indices per task, like lm-eval's ``--samples``: keys are task names, or
+            ``mmlu_<subject>`` for an MMLU subject; a task it names ignores ``limit``.
         seed: seed of the ``limit`` draw.
         batch_size: *examples* per batch (each gives one row when packed, one per distinct choice
             otherwise).
@@ -81,6 +87,8 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         tokenizer: str = EMBEDDED_SMOLLM2,
         num_fewshot: int | dict[str, int] = 0,
         limit: int | dict[str, int | None] | None = None,
+        limit_mode: Literal["sample", "first"] = "sample",
+        doc_ids: dict[str, list[int]] | None = None,
         seed: int = 1234,
         batch_size: int = 32,
         max_length: int = 2048,
@@ -95,19 +103,28 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         if isinstance(tasks, str):
             tasks = [tasks]
         if not tasks:
-            raise ValueError("tasks is empty; choose from " + ", ".join(TASK_NAMES))
+            raise ConfigError("data.benchmarks.tasks is empty; choose from " + ", ".join(TASK_NAMES))
         for task in tasks:
             task_spec(task)
         if len(set(tasks)) != len(tasks):
-            raise ValueError(f"tasks has repeats: {tasks}")
+            raise ConfigError(f"data.benchmarks.tasks has repeats: {tasks}")
         if source not in ("auto", "hub", "local"):
-            raise ValueError(f"source must be 'auto', 'hub' or 'local', got {source!r}")
+            raise ConfigError(f"data.benchmarks.source must be 'auto', 'hub' or 'local', got {source!r}")
         if batch_size <= 0 or max_length <= 1:
-            raise ValueError(f"batch_size ({batch_size}) and max_length ({max_length}) must be positive")
+            raise ConfigError(f"data.benchmarks.batch_size ({batch_size}) and max_length ({max_length}) must be positive")
         self.tasks = list(tasks)
         self.num_fewshot = self._fewshot_per_task(num_fewshot)
         self.limits = self._limit_per_task(limit)
+        if limit_mode not in ("sample", "first"):
+            raise ConfigError(f"data.benchmarks.limit_mode={limit_mode!r}: expected sample or first")
+        self.limit_mode = limit_mode
         self.mmlu_subjects = validate_mmlu_subjects(mmlu_subjects)
+        names = {*self.tasks, *(f"mmlu_{s}" for s in self.mmlu_subjects if "mmlu" in self.tasks)}
+        unknown = sorted(set(doc_ids or {}) - names)
+        if unknown:
+            raise ConfigError(f"data.benchmarks.doc_ids: {', '.join(unknown)} not among the evaluated tasks "
+                              "(task names, or mmlu_<subject> for the chosen MMLU subjects)")
+        self.doc_ids = dict(doc_ids or {})
         self.tokenizer_name = tokenizer
         self.limit = limit
         self.seed = seed
@@ -125,26 +142,26 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         if isinstance(num_fewshot, Mapping):
             unknown = [task for task in num_fewshot if task not in self.tasks]
             if unknown:
-                raise ValueError(f"num_fewshot names task(s) {unknown} that are not in tasks={self.tasks}")
+                raise ConfigError(f"data.benchmarks.num_fewshot names task(s) {unknown} that are not in tasks={self.tasks}")
             shots = {task: int(num_fewshot.get(task, 0)) for task in self.tasks}
         else:
             shots = {task: int(num_fewshot) for task in self.tasks}
         for task, n in shots.items():
             if n < 0 or (task == "mmlu" and n > 5):
-                raise ValueError(f"num_fewshot for {task} must be in [0, {5 if task == 'mmlu' else 'inf'}), got {n}")
+                raise ConfigError(f"data.benchmarks.num_fewshot for {task} must be in [0, {5 if task == 'mmlu' else 'inf'}), got {n}")
         return shots
 
     def _limit_per_task(self, limit: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
         if isinstance(limit, Mapping):
             unknown = [task for task in limit if task not in self.tasks]
             if unknown:
-                raise ValueError(f"limit names task(s) {unknown} that are not in tasks={self.tasks}")
+                raise ConfigError(f"data.benchmarks.limit names task(s) {unknown} that are not in tasks={self.tasks}")
             limits = {task: limit.get(task) for task in self.tasks}
         else:
             limits = {task: limit for task in self.tasks}
         for task, n in limits.items():
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
-                raise ValueError(f"limit for {task} must be a positive integer or null (all docs), got {n!r}")
+                raise ConfigError(f"data.benchmarks.limit for {task} must be a positive integer or null (all docs), got {n!r}")
         return limits
 
     @property
@@ -163,6 +180,10 @@ class BenchmarkDataModule(lightning.LightningDataModule):
             self._tokenizer = resolve_tokenizer(self.tokenizer_name)
         return self._tokenizer
 
+    def check_inputs(self, world_size: int) -> None:
+        """Load and tokenise every task's docs before the trainer writes anything (see the CLI)."""
+        self.setup()
+
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
             return
@@ -170,7 +191,8 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         provenance = []
         for task in self.tasks:
             examples, lines = load_task_examples(
-                task, self.num_fewshot[task], self.limits[task], self.seed, self.source, self.mmlu_subjects
+                task, self.num_fewshot[task], self.limits[task], self.seed, self.source, self.mmlu_subjects,
+                self.limit_mode, self.doc_ids,
             )
             tokenized = tokenize_examples(examples, tokenizer, self.max_length, self.pack_choices)
             self.datasets[task] = BenchmarkDataset(task, examples, tokenized, group_by_subject=self.share_prefix)

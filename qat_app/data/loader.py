@@ -265,7 +265,7 @@ class PackedBlockStream(IterableDataset):
                     if stopped:
                         break
                 if not stopped and st["in_shard"] == 0:
-                    raise DataError(f"{self.source.describe(i)} of {self.source.name} is empty (no documents)")
+                    raise self.source.empty_shard_error(i)
                 if not stopped and st["shard_nonempty"] == 0:
                     raise DataError(
                         f"{self.source.describe(i)} of {self.source.name}: every document in column "

@@ -202,6 +202,18 @@ class PretrainDataModule(L.LightningDataModule):
         n = world * max(1, workers)
         return "shards" if shard_level(len(self.layout(n).active), n) else "documents"
 
+    def check_inputs(self, world_size: int) -> None:
+        """Open and scan the data, load the tokenizer and the benchmark docs: what ``setup`` does, called by the
+        CLI before the trainer creates log directories, so bad data fails with nothing written."""
+        self.prepare_data()
+        self.layout(world_size * max(1, self.num_workers))
+        next(iter(self.make_train_dataset(0, world_size)))  # rank 0's first block: reads, tokenises, packs
+        if self.benchmarks is not None:
+            self.benchmarks.set_tokenizer(self.tokenizer)
+            self.benchmarks.setup()
+        else:
+            _ = self.tokenizer
+
     # -- Lightning hooks --
     def prepare_data(self) -> None:
         if self.data_files is None and self.dataset == EMBEDDED_BOOLQ:

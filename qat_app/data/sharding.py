@@ -79,7 +79,7 @@ def scan_layout(source: Source, val_documents: int, max_documents: int | None, d
                 break
         n = g - start
         if n == 0:
-            raise DataError(f"{source.describe(i)} of {source.name} is empty (no documents)")
+            raise source.empty_shard_error(i)
         held = min(max(val_documents - start, 0), n)
         if held:
             layout.skip[i] = held

@@ -41,6 +41,8 @@ class Source:
     ):
         self.dataset, self.dataset_config, self.split = dataset, dataset_config, split
         self.data_files, self.text_column, self.text_sample_by = data_files, text_column, text_sample_by
+        self.skipped: dict[str, int] = {}  # shard -> rows skipped in its first full pass (non-string text)
+        self.warned: set[str] = set()
         self.revision = revision
         self._base = None
         self.resharded = False
@@ -118,6 +120,13 @@ class Source:
             return f"file {self.data_files[i]}"
         return f"shard {i} of {self.name}"
 
+    def empty_shard_error(self, i: int) -> DataError:
+        """Shard i yielded no document: say so, and why when every row's text was not a string."""
+        skipped = self.skipped.get(self.describe(i))
+        return DataError(f"{self.describe(i)} of {self.name} is empty (no documents)" + (
+            f": all {skipped} rows' {self.text_column!r} are not strings (data.text_column must hold text)"
+            if skipped else ""))
+
     def iter_texts(self, i: int, doc_batch_size: int, state: dict | None = None):
         """Yield ``(texts, hf_state_after)`` for shard i, resuming from ``state``. Errors name the shard."""
         ds = self.shard(i)
@@ -125,11 +134,15 @@ class Source:
         if state is not None:
             ds.load_state_dict(state)
         it = ds.iter(batch_size=doc_batch_size)
-        first = True
+        row, skipped, first_bad = 0, 0, None
         while True:
             try:
                 batch = next(it)
             except StopIteration:
+                if skipped and desc not in self.skipped:  # once per shard: the scan reads it before training
+                    self.skipped[desc] = skipped
+                    log.warning("%s: skipped %d row(s) whose %r is not a string (the first: row %s, %s); "
+                                "data.text_column must hold text", desc, skipped, self.text_column, *first_bad)
                 return
             except Exception as e:
                 raise DataError(f"could not read {desc} of {self.name}: {type(e).__name__}: {e}") from e
@@ -138,11 +151,17 @@ class Source:
                     f"{desc}: no column {self.text_column!r} (data.text_column); columns found: {sorted(batch)}"
                 )
             texts = batch[self.text_column]
-            if first:
-                bad = next((t for t in texts if t is not None and not isinstance(t, str)), None)
-                if bad is not None:
-                    raise DataError(
-                        f"{desc}: column {self.text_column!r} must hold strings, found {type(bad).__name__}"
-                    )
-                first = False
+            kept = [t for t in texts if isinstance(t, str)]
+            if len(kept) != len(texts):  # null / number / list rows are skipped and counted, not fed as text
+                if first_bad is None:
+                    j = next(j for j, t in enumerate(texts) if not isinstance(t, str))
+                    where = str(row + j) if state is None else f"{j} of a resumed batch"
+                    first_bad = (where, "null" if texts[j] is None else f"type {type(texts[j]).__name__}")
+                    if desc not in self.warned:
+                        self.warned.add(desc)
+                        log.warning("%s: skipping rows whose %r is not a string (the first: row %s, %s); "
+                                    "the count follows at the end of the file", desc, self.text_column, *first_bad)
+                skipped += len(texts) - len(kept)
+                texts = kept
+            row += len(batch[self.text_column])
             yield texts, ds.state_dict()

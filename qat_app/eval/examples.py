@@ -34,12 +34,28 @@ class MultipleChoiceExample:
         return [f"{self.target_delimiter}{choice}" for choice in self.choices]
 
 
-def select_doc_indices(num_docs: int, limit: int | None, seed: int) -> list[int]:
-    """``limit`` docs drawn without replacement with a fixed seed, in doc order (all docs if no limit)."""
+LIMIT_MODES = ("sample", "first")
+
+
+def select_doc_indices(num_docs: int, limit: int | None, seed: int, mode: str = "sample",
+                       doc_ids: Sequence[int] | None = None, where: str = "") -> list[int]:
+    """Which docs to score: ``doc_ids`` when given (like lm-eval's ``--samples``); else ``limit`` docs, the
+    first ones (``mode="first"``, like lm-eval's ``--limit``) or drawn without replacement with ``seed``
+    (``"sample"``), in doc order; all docs if no limit."""
+    if doc_ids is not None:
+        bad = [i for i in doc_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_docs]
+        if bad or not doc_ids:
+            from qat_app.errors import ConfigError
+
+            raise ConfigError(f"data.benchmarks.doc_ids{where}: " + (
+                f"{bad[:5]} out of range for {num_docs} docs (0-based indices)" if bad else "is empty"))
+        return sorted(dict.fromkeys(doc_ids))
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be positive, got {limit}")
     if limit is None or limit >= num_docs:
         return list(range(num_docs))
+    if mode == "first":
+        return list(range(limit))
     return sorted(random.Random(seed).sample(range(num_docs), limit))
 
 
@@ -105,9 +121,12 @@ def load_task_examples(
     seed: int = 1234,
     source: str = "auto",
     mmlu_subjects: Sequence[str] | None = None,
+    limit_mode: str = "sample",
+    doc_ids: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[list[MultipleChoiceExample], list[str]]:
     """All examples of a task (for MMLU: of the chosen subjects, ``limit`` applying per subject like
-    lm-eval's per-subtask limit) and a provenance line per loaded split."""
+    lm-eval's per-subtask limit) and a provenance line per loaded split. ``doc_ids``: indices per task name
+    (``mmlu_<subject>`` for an MMLU subject, lm-eval's subtask names)."""
     spec = task_spec(task)
     subjects: list[str | None] = list(validate_mmlu_subjects(mmlu_subjects)) if task == "mmlu" else [None]
     examples: list[MultipleChoiceExample] = []
@@ -122,7 +141,9 @@ def load_task_examples(
             fewshot_docs = fewshot.docs
             if task != "mmlu":
                 provenance.append(f"{task} few-shot: {fewshot.description}")
-        indices = select_doc_indices(len(evaluation.docs), limit, seed)
+        key = f"mmlu_{subject}" if subject else task
+        ids = (doc_ids or {}).get(key)
+        indices = select_doc_indices(len(evaluation.docs), limit, seed, limit_mode, ids, f".{key}")
         examples += build_examples(task, evaluation.docs, indices, num_fewshot, fewshot_docs, subject)
         if task != "mmlu" or subject == subjects[0]:
             provenance.append(f"{task}{f'/{subject}' if subject else ''}: {evaluation.description}, {len(indices)} used")

@@ -104,11 +104,18 @@ def validate_mmlu_subjects(subjects: Sequence[str] | None) -> tuple[str, ...]:
         return MMLU_SUBJECTS
     if isinstance(subjects, str):
         subjects = [subjects]
+    from difflib import get_close_matches
+
+    from qat_app.errors import ConfigError
+
     unknown = [s for s in subjects if s not in MMLU_SUBJECT_CATEGORIES]
     if unknown:
-        raise ValueError(f"unknown MMLU subject(s) {unknown} in mmlu_subjects; valid subjects: {', '.join(MMLU_SUBJECTS)}")
+        hints = [f"{s} -> {m[0]}" for s in unknown for m in [get_close_matches(s, MMLU_SUBJECTS, n=1, cutoff=0.6)] if m]
+        raise ConfigError(f"data.benchmarks.mmlu_subjects: unknown MMLU subject(s) {', '.join(unknown)}"
+                          + (f" (did you mean: {'; '.join(hints)}?)" if hints else "")
+                          + f"; the 57 subjects: {', '.join(MMLU_SUBJECTS)}")
     if not subjects:
-        raise ValueError("mmlu_subjects is empty; pass None for all 57 subjects")
+        raise ConfigError("data.benchmarks.mmlu_subjects is empty; pass null for all 57 subjects")
     return tuple(dict.fromkeys(subjects))  # drop repeats, keep order
 
 

@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        from qat_app.models import resolve_dtype
+
+        for flag, value in (("--dtype", args.dtype), ("--compute-dtype", args.compute_dtype)):
+            if value is not None:
+                resolve_dtype(value, field=flag)
         if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
             raise FileExistsError(f"{args.out} already exists and is not empty; pass --overwrite to replace it")
         module = load_qat_checkpoint(args.ckpt)

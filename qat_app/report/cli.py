@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from .. import stats
 from .build import build_report
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None, prog: str = "python main.py report") -> 
         report = build_report(args.baseline, args.qat, args.out, args.labels, args.layers, args.benchmarks,
                               args.ape_from_step, args.initial, args.force, args.resamples, args.seed)
     except (ReportError, FileNotFoundError) as err:
-        raise SystemExit(f"error: {err}") from None
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(report["markdown"])
     print(f"wrote {', '.join(report['files'])} to {args.out}")
     return 0

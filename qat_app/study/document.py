@@ -65,11 +65,18 @@ def _demoted(markdown: str, figure_prefix: str) -> str:
     return re.sub(r"\]\((?!https?:|/)([^)]+\.png)\)", lambda m: f"]({figure_prefix}/{m.group(1)})", markdown)
 
 
-def _run_line(command: RunCommand, state: dict | None) -> str:
+def _own_settings(study: Study, command: RunCommand) -> str:
+    """What sets this run apart: its config (when not the base) and flags, as the study file gives them."""
+    if command.name == INITIAL:
+        return " ".join(filter(None, [study.initial.args, "--model.quant.enabled false"]))
+    run = study.run(command.name)
+    return " ".join(filter(None, [f"--config {run.config}" if run.config else "", run.args]))
+
+
+def _run_line(study: Study, command: RunCommand, state: dict | None) -> str:
     wall = f"{state['wall_s']:.0f}" if state and state.get("finished") else "not finished"
     attempts = len(state.get("attempts", [])) if state else 0
-    flags = " ".join(a for a in command.args if a not in ("--run_dir", str(command.run_dir)))
-    return f"| `{command.name}` | {command.subcommand} | {wall} | {attempts} | `{flags}` |"
+    return f"| `{command.name}` | {command.subcommand} | {wall} | {attempts} | `{_own_settings(study, command)}` |"
 
 
 def write_document(study: Study, study_file: str, states: dict[str, dict], reports: dict[str, dict]) -> Path:
@@ -81,9 +88,11 @@ def write_document(study: Study, study_file: str, states: dict[str, dict], repor
              f"- machine: {machine_description()}",
              f"- written: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
              f"- wall time of the runs: {total:.0f} s ({total / 60:.1f} min), summed over runs and attempts",
-             f"- base config: `{study.base_config}`; runs in `{study.out_dir}/<name>`", "",
-             "## Runs", "", "| run | command | wall s | attempts | settings |", "|---|---|---:|---:|---|"]
-    lines += [_run_line(c, states.get(c.name)) for c in commands]
+             f"- base config: `{study.base_config}`"
+             + (f", and for every run `{study.common_args}`" if study.common_args else "")
+             + f"; run NAME in `{study.out_dir}/NAME` (`python main.py study ... --dry-run` prints each command)", "",
+             "## Runs", "", "| run | command | wall s | attempts | its settings (over the base config) |", "|---|---|---:|---:|---|"]
+    lines += [_run_line(study, c, states.get(c.name)) for c in commands]
     for name, report in reports.items():
         prefix = os.path.relpath(report_dir(study, name), out.parent)
         lines += ["", f"## Report `{name}`", "", _demoted(report["markdown"], prefix).strip()]
