@@ -62,7 +62,7 @@ def run_checkpoints(trainer) -> list[str]:
     for directory in checkpoint_dirs(trainer):
         if os.path.isdir(directory):
             files |= {os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".ckpt")}
-    existing = [f for f in files if os.path.isfile(f)]
+    existing = [f for f in files if os.path.isfile(f) or is_sharded_checkpoint(f)]
     return sorted(existing, key=lambda f: (os.path.getmtime(f), os.path.basename(f).startswith("last")), reverse=True)
 
 
@@ -131,6 +131,39 @@ def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_s
     return None, None, refused
 
 
+def is_sharded_checkpoint(path: str) -> bool:
+    """A distributed checkpoint directory (FSDP2 / ModelParallelStrategy): DCP's ``.metadata`` inside."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _load_sharded_checkpoint(path: str, weights_only: bool | None) -> dict[str, Any]:
+    """The checkpoint's non-tensor part (Lightning's ``meta.pt``) plus its state_dict as empty tensors of the
+    saved shapes (from DCP's metadata): enough to check it against the model without loading any shard."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta_file = os.path.join(path, "meta.pt")
+    try:
+        ckpt = torch.load(meta_file, map_location="cpu", weights_only=weights_only) if os.path.isfile(meta_file) else {}
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"sharded checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is incomplete "
+                              "(the job died while writing it?) or corrupt. Resume from an earlier checkpoint.") from e
+    ckpt = dict(ckpt) if isinstance(ckpt, dict) else {}
+    ckpt["state_dict"] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not key.startswith("state_dict."):
+            continue
+        key = key[len("state_dict."):]
+        if "._extra_state." in key:  # DCP flattens a module's extra state (a dict): present, without a shape
+            ckpt["state_dict"][key.split("._extra_state.", 1)[0] + "._extra_state"] = None
+        else:
+            ckpt["state_dict"][key] = torch.empty(tuple(md.size), device="meta") if isinstance(md, TensorStorageMetadata) else None
+    if any(key.startswith("optimizer_0") for key in metadata.state_dict_metadata):
+        ckpt.setdefault("optimizer_states", [None])
+    return ckpt
+
+
 def checkpoint_dirs(trainer) -> list[str]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -145,17 +178,16 @@ def _listed(items: list[str]) -> str:
 def load_checkpoint_file(path: str, weights_only: bool | None = None) -> dict[str, Any] | None:
     """``torch.load`` (memory-mapped, on CPU) with a :class:`CheckpointError` naming the file on failure.
 
-    A directory (a sharded checkpoint, e.g. FSDP ``state_dict_type="sharded"``) is left to the strategy to
-    load and check: returns None."""
+    A sharded (distributed) checkpoint directory gives its metadata and the saved tensor shapes
+    (:func:`_load_sharded_checkpoint`); any other directory is refused."""
+    if is_sharded_checkpoint(path):
+        return _load_sharded_checkpoint(path, weights_only)
     if os.path.isdir(path):
-        if not os.path.exists(os.path.join(path, ".metadata")):
-            inside = sorted(f for f in os.listdir(path) if f.endswith(".ckpt"))
-            raise CheckpointError(
-                f"--ckpt_path {path} is a directory, not a checkpoint file (nor a sharded checkpoint: no .metadata)"
-                + (f"; it holds {_listed(inside)}: give one of them, e.g. {os.path.join(path, inside[-1])}" if inside
-                   else "; it holds no .ckpt file"))
-        log.info("checkpoint %s is a directory (sharded): its contents are checked by the strategy on load", path)
-        return None
+        inside = sorted(f for f in os.listdir(path) if f.endswith(".ckpt"))
+        raise CheckpointError(
+            f"--ckpt_path {path} is a directory, not a checkpoint file (nor a sharded checkpoint: no .metadata)"
+            + (f"; it holds {_listed(inside)}: give one of them, e.g. {os.path.join(path, inside[-1])}" if inside
+               else "; it holds no .ckpt file"))
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist (--ckpt_path)")
     if os.path.getsize(path) == 0:

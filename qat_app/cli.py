@@ -113,6 +113,15 @@ def check_accelerator(trainer_cfg) -> None:
             wanted = _world_size({"devices": devices, "accelerator": accelerator})
             if wanted > visible:
                 raise ConfigError(f"trainer.devices={devices}: this machine has {visible} visible GPU(s)")
+    if str(getattr(strategy, "class_path", strategy)).rsplit(".", 1)[-1] in ("ModelParallelStrategy", "model_parallel"):
+        init = (strategy.get("init_args") if hasattr(strategy, "get") else None) or {}
+        world = _world_size(trainer_cfg)
+        tp, dp = init.get("tensor_parallel_size", "auto"), init.get("data_parallel_size", "auto")
+        if world > 1 and (tp != 1 or dp != world):
+            raise ConfigError(
+                f"trainer.strategy: ModelParallelStrategy needs init_args {{data_parallel_size: {world}, "
+                f"tensor_parallel_size: 1}} here (FSDP2 over all {world} devices; HiF8 QAT does no tensor "
+                f"parallelism), got data_parallel_size={dp}, tensor_parallel_size={tp}")
     if isinstance(strategy, str) and strategy != "auto":
         known = StrategyRegistry.available_strategies()
         if strategy not in known:

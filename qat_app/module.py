@@ -26,7 +26,7 @@ from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import QuantConfig, QuantConfigError
@@ -34,6 +34,8 @@ from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
 from .config import quantize_model
 from .hif8.patch import QuantReport, quantized_linears
+from .fsdp import grad_norm as global_grad_norm
+from .fsdp import local_tensors, shard_model
 from .hif8.training import sync_and_advance
 
 log = logging.getLogger(__name__)
@@ -137,11 +139,7 @@ class QATModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        grads = _gradients(optimizer)
-        if grads:
-            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        else:
-            grad_norm = torch.zeros((), device=self.device)
+        grad_norm = global_grad_norm(_gradients(optimizer), self.device)
         self._step_grad_norm = grad_norm  # reused by configure_gradient_clipping
         self.log("train/grad_norm", grad_norm, on_step=True)
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, prog_bar=True)
@@ -161,17 +159,18 @@ class QATModule(L.LightningModule):
         """Clip by norm with the norm already computed in ``on_before_optimizer_step``.
 
         Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6), at
-        most 1), without a second pass over every gradient. Only where each rank holds whole
-        gradients (one device, DDP); sharded strategies and clipping by value go to Lightning.
+        most 1), without a second pass over every gradient. One device, DDP (whole gradients) and FSDP2
+        (the norm is the global one over the shards, each rank scales its shard); other strategies and
+        clipping by value go to Lightning.
         """
         norm, self._step_grad_norm = self._step_grad_norm, None
         algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm").lower()
-        replicated = type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy)
-        if not gradient_clip_val or algorithm != "norm" or norm is None or not replicated:
+        ours = type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+        if not gradient_clip_val or algorithm != "norm" or norm is None or not ours:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         coefficient = (gradient_clip_val / (norm + 1e-6)).clamp(max=1.0)
         groups: dict[tuple, list[torch.Tensor]] = {}  # none after a skipped step
-        for grad in _gradients(optimizer):
+        for grad in local_tensors(_gradients(optimizer)):
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, dtype), grads in groups.items():
             torch._foreach_mul_(grads, coefficient.to(device, dtype))
@@ -195,6 +194,15 @@ class QATModule(L.LightningModule):
                 "them is checkpointed, so the last checkpoint holds the last good state. Resume from it with a lower "
                 "learning rate, a different seed, or fix the data."
             )
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``: FSDP2 over the decoder blocks (:mod:`qat_app.fsdp`); else nothing."""
+        mesh = self.device_mesh
+        if mesh is None or getattr(self, "_sharded_blocks", 0):
+            return
+        precision = str(getattr(self.trainer, "precision", "") if self._trainer is not None else "")
+        self._sharded_blocks = shard_model(self.model, mesh, self.quant.block_pattern, bf16="bf16" in precision)
+        log.info("FSDP2: %d decoder blocks sharded over %d ranks", self._sharded_blocks, mesh.size())
 
     # ------------------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -71,7 +71,7 @@ class RankDump(L.Callback):
         scalers = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items() if "_scaler." in k}
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save({"records": self.records, "scalers": scalers, "world_size": trainer.world_size,
-                    "global_step": trainer.global_step},
+                    "global_step": trainer.global_step, "skipped_steps": int(pl_module.skipped_steps)},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 

@@ -1,0 +1,145 @@
+"""FSDP2 (ModelParallelStrategy + fully_shard) and multi-node, on 2 CPU processes (gloo), through ``main.py``.
+
+* FSDP2 and DDP on the same 2-process data layout train the same: equal losses (to rounding) and
+  identical amax histories, a_hat and scales on every rank;
+* a NaN gradient on one rank skips the step on both (the flag rides the per-step collective);
+* an FSDP2 run killed at step 2 and resumed with ``--ckpt_path last`` (a sharded checkpoint directory)
+  ends with the same scaler states and losses as the run that was not interrupted;
+* 2 "nodes" x 1 process on the loopback interface (``NODE_RANK``, ``MASTER_ADDR=127.0.0.1``) gives the
+  same histories and losses as 2 processes on one node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from tests.test_ddp import ROOT, STEPS, SYNCED, _ddp_config, _dumps, _run_main
+
+pytestmark = pytest.mark.slow
+
+FSDP = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}
+
+
+class NaNGradOnRank(L.Callback):
+    """Poisons one local gradient shard on rank ``rank`` before optimizer step ``step``."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            from qat_app.fsdp import local_tensors
+
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            local_tensors([grad])[0].view(-1)[0] = float("nan")
+
+
+def _config(tmp, model_dir, corpus, strategy, extra_callbacks=()):
+    path = _ddp_config(tmp, model_dir, corpus)
+    import yaml
+
+    config = yaml.safe_load(open(path))
+    config["trainer"]["strategy"] = strategy
+    config["trainer"]["callbacks"] += list(extra_callbacks)
+    open(path, "w").write(yaml.safe_dump(config))
+    return path
+
+
+def _losses(dump) -> list[float]:
+    return [v[0] for v in dump["records"].values()]
+
+
+def _assert_same_scalers(a, b, exact=True):
+    assert a["scalers"].keys() == b["scalers"].keys()
+    for key, value in a["scalers"].items():
+        if key.rsplit(".", 1)[-1] in SYNCED:
+            if exact:
+                assert torch.equal(value, b["scalers"][key]), key
+            else:
+                torch.testing.assert_close(value, b["scalers"][key], rtol=1e-5, atol=0, msg=key)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("fsdp", FSDP)):
+        tmp = tmp_path_factory.mktemp(name)
+        _run_main(["fit", "--config", _config(tmp, tiny_model_dir, tiny_corpus, strategy)])
+        out[name] = (tmp, _dumps(tmp / "dump"))
+    return out
+
+
+def test_fsdp_trains_like_ddp(runs):
+    (_, (d0, d1)), (fsdp_dir, (f0, f1)) = runs["ddp"], runs["fsdp"]
+    assert f0["global_step"] == f1["global_step"] == STEPS
+    torch.testing.assert_close(_losses(f0), _losses(d0), rtol=1e-5, atol=0)
+    torch.testing.assert_close(_losses(f1), _losses(d1), rtol=1e-5, atol=0)
+    _assert_same_scalers(f0, f1)  # identical on both FSDP ranks
+    _assert_same_scalers(f0, d0, exact=False)  # and the same as under DDP, to rounding
+    last = fsdp_dir / "ckpt" / "last.ckpt"
+    assert last.is_dir() and (last / ".metadata").is_file()  # a distributed (sharded) checkpoint
+
+
+def test_fsdp_resume_is_exact(runs, tmp_path, tiny_model_dir, tiny_corpus):
+    _, straight = runs["fsdp"]
+    crash = {"class_path": "tests.test_resume.CrashAt", "init_args": {"step": 2}}
+    config = _config(tmp_path, tiny_model_dir, tiny_corpus, FSDP, [crash])
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    crashed = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "fit", "--config", config], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert crashed.returncode != 0 and "simulated node failure" in crashed.stderr
+    assert (tmp_path / "ckpt" / "last.ckpt" / ".metadata").is_file()
+    config = _config(tmp_path, tiny_model_dir, tiny_corpus, FSDP)  # the same run, without the crash
+    _run_main(["fit", "--config", config, "--ckpt_path", "last"])
+    resumed = _dumps(tmp_path / "dump")
+    for r in range(2):
+        assert resumed[r]["global_step"] == STEPS
+        _assert_same_scalers(resumed[r], straight[r])
+        after = {k: v for k, v in resumed[r]["records"].items() if int(k.split("/")[0]) >= 2}
+        assert after == {k: v for k, v in straight[r]["records"].items() if int(k.split("/")[0]) >= 2}
+
+
+def test_fsdp_nan_on_one_rank_skips_the_step_on_both(tmp_path, tiny_model_dir, tiny_corpus):
+    poison = {"class_path": "tests.test_fsdp.NaNGradOnRank", "init_args": {"rank": 1, "step": 3}}
+    _run_main(["fit", "--config", _config(tmp_path, tiny_model_dir, tiny_corpus, FSDP, [poison])])
+    r0, r1 = _dumps(tmp_path / "dump")
+    assert r0["skipped_steps"] == r1["skipped_steps"] == 1
+    _assert_same_scalers(r0, r1)
+    for dump in (r0, r1):
+        assert all(torch.isfinite(v).all() for k, v in dump["scalers"].items() if k.endswith("amax_history"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_match_one_node(runs, tmp_path, tiny_model_dir, tiny_corpus):
+    """What torchrun / SLURM do on two machines: one process per node, NODE_RANK 0 and 1, one master."""
+    _, one_node = runs["ddp"]
+    config = _config(tmp_path, tiny_model_dir, tiny_corpus, "ddp")
+    port = str(_free_port())
+    procs = []
+    for node in range(2):
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT,
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node), LOCAL_RANK="0", WORLD_SIZE="2")
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "main.py"), "fit", "--config", config, "--trainer.num_nodes", "2",
+             "--trainer.devices", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-4000:]
+    two_nodes = _dumps(tmp_path / "dump")
+    for r in range(2):
+        assert two_nodes[r]["world_size"] == 2
+        assert two_nodes[r]["records"] == one_node[r]["records"]  # same batches, same losses, same ranks
+        _assert_same_scalers(two_nodes[r], one_node[r])

@@ -1,0 +1,27 @@
+"""The GPU validation's FSDP2 fit (benchmarks/fsdp_fit.py), run on the CPU with a tiny model: the script the
+GPU session runs once must work before a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_fsdp_fit_script_runs_and_reports(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp_fit.py"), "--device", "cpu", "--tiny",
+                           "--steps", "4", "--seq-len", "64", "--micro-batch", "2", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 4 and result["sharded_checkpoint"] is True
+    assert result["seconds_per_step"] > 0 and result["final_loss"] > 0
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_validation.sh")]).returncode == 0
