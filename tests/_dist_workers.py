@@ -98,3 +98,59 @@ def saturation_batch(step: int) -> torch.Tensor:
     x = torch.randn(8, 16, generator=g) * 0.2
     x[1, 3], x[6, 2], x[7, 0] = 3.0, -2.0, 0.55  # outliers on both halves of the batch
     return x
+
+
+def equivalence_worker(rank: int, world: int, mode: str, init_file: str, out_dir: str, steps: int = 4) -> None:
+    """The recipe (one warmup step, then QAT) on one global batch of 4 sequences: one process (``single``), or
+    2 processes with half the batch each under DDP (``ddp``) or FSDP2 (``fsdp``). Saves the global losses and
+    the scaler states."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qat_app.config import QuantConfig, quantize_model
+    from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
+                                             max_position_embeddings=64))
+        quantize_model(model, QuantConfig(amax_algo="max", history_len=8, high_precision_layers=1, fused="off"))
+        if mode == "ddp":
+            trained = torch.nn.parallel.DistributedDataParallel(model)
+        elif mode == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from qat_app.fsdp import shard_model
+
+            shard_model(model, init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",)),
+                        QuantConfig().block_pattern)
+            trained = model
+        else:
+            trained = model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        start_warmup(model)  # step 0 unquantized, observed: the recipe's warmup fills the (synced) histories
+        for step in range(steps):
+            batch = torch.randint(0, 128, (4, 16), generator=gen)
+            local = batch.chunk(world)[rank]
+            loss = trained(input_ids=local, labels=local).loss
+            loss.backward()
+            skipped = sync_and_advance(model, nonfinite=~torch.isfinite(loss.detach()))
+            assert not skipped
+            if step == 0:
+                end_warmup(model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            total = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(total)
+            losses.append(float(total) / world)
+        scalers = {k: v.detach().clone() for k, v in model.state_dict().items() if "_scaler." in k}
+        torch.save({"losses": losses, "scalers": scalers}, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()

@@ -143,3 +143,31 @@ def test_two_nodes_on_loopback_match_one_node(runs, tmp_path, tiny_model_dir, ti
         assert two_nodes[r]["world_size"] == 2
         assert two_nodes[r]["records"] == one_node[r]["records"]  # same batches, same losses, same ranks
         _assert_same_scalers(two_nodes[r], one_node[r])
+
+
+def test_one_process_ddp_and_fsdp2_agree_on_the_same_global_batch(tmp_path):
+    """The recipe's core on one global batch: 1 process, 2-process DDP and 2-process FSDP2 (each rank half the
+    batch). The warmup step's amax (a max: exact in any split) is identical everywhere; later steps see
+    weights that differ by the rounding of the gradient average, so histories and losses agree to rounding.
+    (Without a warmup, a first step with no history scales each rank by its own half's amax.)"""
+    import torch.multiprocessing as mp
+
+    from tests._dist_workers import equivalence_worker
+
+    equivalence_worker(0, 1, "single", "", str(tmp_path))
+    for mode in ("ddp", "fsdp"):
+        mp.spawn(equivalence_worker, args=(2, mode, str(tmp_path / f"init_{mode}"), str(tmp_path)), nprocs=2, join=True)
+    single = torch.load(tmp_path / "single_rank0.pt", weights_only=True)
+    for mode in ("ddp", "fsdp"):
+        r0, r1 = (torch.load(tmp_path / f"{mode}_rank{r}.pt", weights_only=True) for r in range(2))
+        torch.testing.assert_close(r0["losses"], single["losses"], rtol=1e-5, atol=0)
+        checked = 0
+        for key, value in single["scalers"].items():
+            if key.rsplit(".", 1)[-1] not in SYNCED:  # the clipped / seen counters are per rank
+                continue
+            assert torch.equal(r0["scalers"][key], r1["scalers"][key]), (mode, key)  # the ranks agree exactly
+            if key.endswith("amax_history"):
+                assert torch.equal(r0["scalers"][key][-1], value[-1]), (mode, key)  # the warmup step (oldest slot)
+            torch.testing.assert_close(r0["scalers"][key], value, rtol=1e-5, atol=0, msg=f"{mode} {key}")
+            checked += 1
+        assert checked >= 6 * len(SYNCED) - 6

@@ -61,7 +61,7 @@ def build_reports(study: Study, finished: set[str], echo=print) -> dict[str, dic
 
 
 def _demoted(markdown: str, figure_prefix: str) -> str:
-    markdown = re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", markdown, flags=re.M)
+    markdown = re.sub(r"^(#+) ", lambda m: "##" + m.group(1) + " ", markdown, flags=re.M)  # under "## Report"
     return re.sub(r"\]\((?!https?:|/)([^)]+\.png)\)", lambda m: f"]({figure_prefix}/{m.group(1)})", markdown)
 
 
