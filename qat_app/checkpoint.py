@@ -16,7 +16,7 @@ A checkpoint is accepted when it
     HiF8Linear with its amax histories of the configured length, the same quantized layers).
 Settings given now that differ from the checkpoint's: with ``--ckpt_path last`` and with a FILE alike, a
 resume continues the saved run, so what defines the run -- the model (``model_name``, ``dtype``, every
-``quant.*``), the data (every ``data.*`` but the benchmarks and ``val_batch_size``, the devices x workers
+``quant.*`` but the layer-selection patterns, which the state check covers), the data (every ``data.*`` but the benchmarks and ``val_batch_size``, the devices x workers
 the data stream was split over) and ``warmup.warmup_steps`` -- is refused when changed
 (:class:`ResumeSettingsError`, naming each setting and both values); optimisation settings (``lr``,
 ``weight_decay``, the schedule, ...) may change: the new value is used, with a warning.
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 SOFT_MODEL_SETTINGS = ("lr", "weight_decay", "betas", "eps", "lr_schedule", "lr_warmup_steps", "min_lr_ratio",
                        "max_consecutive_nonfinite", "gradient_checkpointing")
 SOFT_DATA_SETTINGS = ("val_batch_size", "benchmarks")
+# selection patterns: once the state check has passed, the same layers are quantized (an older default
+# pattern that selects the same modules is no change)
+SAME_STATE_MODEL_SETTINGS = ("quant.module_pattern", "quant.block_pattern")
 _RESUME_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "global_step")
 _MAX_LISTED = 6
 
@@ -94,7 +97,8 @@ def resume_setting_changes(ckpt: dict, module, datamodule=None, trainer=None, wa
     refused, allowed = [], []
     for line in hparam_differences(ckpt.get("hyper_parameters"), getattr(module, "hparams", None)):
         key = line.split(":", 1)[0][len("model."):]
-        (allowed if key.split(".")[0] in SOFT_MODEL_SETTINGS else refused).append(line)
+        soft = key.split(".")[0] in SOFT_MODEL_SETTINGS or key in SAME_STATE_MODEL_SETTINGS
+        (allowed if soft else refused).append(line)
     saved_data = ckpt.get("datamodule_hyper_parameters")
     if datamodule is not None and isinstance(saved_data, dict):
         for line in hparam_differences(saved_data, getattr(datamodule, "hparams", None)):

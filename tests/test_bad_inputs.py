@@ -156,6 +156,8 @@ SETTING_ROWS = [
     ("MMLU 6-shot", _bench(tasks=["mmlu"], num_fewshot=6), r"data\.benchmarks\.num_fewshot for mmlu must be in \[0, 5\), got 6"),
     ("few-shot for a task not run", _bench(tasks=["mmlu"], num_fewshot={"arc_challenge": 1}),
      r"data\.benchmarks\.num_fewshot names task\(s\) \['arc_challenge'\] that are not in tasks=\['mmlu'\]"),
+    ("ARC few-shot offline", _bench(tasks=["arc_challenge"], num_fewshot=2, limit=3),
+     r"arc_challenge: no local copy of split 'train' .*set source='hub' where the hub is reachable"),
     ("benchmark batch 0", _bench(tasks=["arc_challenge"], batch_size=0), r"data\.benchmarks\.batch_size \(0\) and max_length \(2048\) must be positive"),
     ("benchmark source unknown", _bench(tasks=["arc_challenge"], source="web"), r"data\.benchmarks\.source must be 'auto', 'hub' or 'local', got 'web'"),
     ("benchmark limit_mode unknown", _bench(tasks=["arc_challenge"], limit_mode="last"), r"limit_mode=last: expected one of sample, first"),

@@ -29,7 +29,7 @@ def study_parser(prog: str) -> ArgumentParser:
     parser.add_argument("--reports", type=list[ReportSpec], default=[])
     parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                         help="print the `python main.py ...` command of every run, one per line, and stop")
-    parser.add_argument("--only", type=list[str], default=[], nargs="+",
+    parser.add_argument("--only", type=str, default=[], nargs="+",
                         help=f"run only these runs ({INITIAL!r} is the initial evaluation)")
     return parser
 
