@@ -91,9 +91,10 @@ def _find_value(obj: Any, key: str, depth: int = 0):
     return None
 
 
-def resume_setting_changes(ckpt: dict, module, datamodule=None, trainer=None, warmup_steps: int | None = None):
+def resume_setting_changes(ckpt: dict, module, datamodule=None, trainer=None, warmup=None):
     """-> (refused, allowed): ``"setting: saved -> now"`` lines for the settings given now that differ from
-    the checkpoint's (see the module docstring for which a resume may change)."""
+    the checkpoint's (see the module docstring for which a resume may change). ``warmup``: the run's
+    BF16WarmupCallback (its saved state, under its state key, holds the warmup length)."""
     refused, allowed = [], []
     for line in hparam_differences(ckpt.get("hyper_parameters"), getattr(module, "hparams", None)):
         key = line.split(":", 1)[0][len("model."):]
@@ -112,14 +113,14 @@ def resume_setting_changes(ckpt: dict, module, datamodule=None, trainer=None, wa
         if consumers != now:
             refused.append(f"devices x data.num_workers (data stream consumers): {consumers} -> {now} "
                            f"({trainer.world_size} device(s) x {max(1, workers)})")
-    saved_warmup = _find_value(ckpt.get("callbacks"), "warmup_steps")
-    if warmup_steps is not None and isinstance(saved_warmup, int) and saved_warmup != warmup_steps:
-        refused.append(f"warmup.warmup_steps: {saved_warmup} -> {warmup_steps}")
+    saved_warmup = ((ckpt.get("callbacks") or {}).get(warmup.state_key) or {}).get("warmup_steps") if warmup else None
+    if isinstance(saved_warmup, int) and saved_warmup != warmup.warmup_steps:
+        refused.append(f"warmup.warmup_steps: {saved_warmup} -> {warmup.warmup_steps}")
     return refused, allowed
 
 
 def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_state=True, datamodule=None,
-                             warmup_steps=None):
+                             warmup=None):
     """-> (path, summary, refused): the newest checkpoint of the run that :func:`validate_resume_checkpoint`
     accepts, and the newer ones it refused with why (a save killed midway leaves a truncated file).
     (None, None, refused) when none is usable."""
@@ -127,7 +128,7 @@ def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_s
     for path in run_checkpoints(trainer):
         try:
             return path, validate_resume_checkpoint(path, module, weights_only, need_training_state, datamodule,
-                                                    trainer, warmup_steps), refused
+                                                    trainer, warmup), refused
         except ResumeSettingsError:
             raise  # intact, but not this run's settings: an older checkpoint would not be either
         except CheckpointError as err:
@@ -258,7 +259,7 @@ def check_checkpoint_file(
 
 def validate_resume_checkpoint(
     path: str, module: torch.nn.Module, weights_only: bool | None = None, need_training_state: bool = True,
-    datamodule=None, trainer=None, warmup_steps: int | None = None,
+    datamodule=None, trainer=None, warmup=None,
 ) -> dict[str, Any]:
     """Raise :class:`CheckpointError` unless ``path`` is a checkpoint of ``module`` (with the complete training
     state when ``need_training_state``, i.e. for resuming a fit).
@@ -294,7 +295,7 @@ def validate_resume_checkpoint(
         )
     if not need_training_state:  # evaluating a checkpoint: its model is what is evaluated
         return {"global_step": ckpt.get("global_step"), "differences": diffs}
-    refused, allowed = resume_setting_changes(ckpt, module, datamodule, trainer, warmup_steps)
+    refused, allowed = resume_setting_changes(ckpt, module, datamodule, trainer, warmup)
     if refused:
         raise ResumeSettingsError(
             f"checkpoint {path} was saved with other settings, which a resume cannot change (saved -> now): "

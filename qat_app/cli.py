@@ -28,7 +28,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, InitialEvaluationCallback, RNGStateCallback,
                        RunSummaryCallback, StepLogCallback, StepProgressBar, TokenThroughputMonitor)
-from qat_app.errors import ConfigError, QATError
+from qat_app.errors import ConfigError, QATError, did_you_mean
 from qat_app.module import QATModule
 
 log = logging.getLogger("qat_app.cli")
@@ -95,16 +95,13 @@ def check_accelerator(trainer_cfg) -> None:
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from qat_app.cli_errors import nearest
-
     accelerator, devices = trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto")
     strategy = trainer_cfg.get("strategy", "auto")
     if isinstance(accelerator, str):
         known = ["auto", "gpu", *AcceleratorRegistry.available_accelerators()]
         if accelerator not in known:
-            close = nearest(accelerator, known)
             raise ConfigError(f"trainer.accelerator={accelerator}: unknown; expected one of {', '.join(known)}"
-                              + (f" (did you mean {close[0]}?)" if close else ""))
+                              + did_you_mean(accelerator, known))
         if accelerator in ("gpu", "cuda"):
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if visible == 0:
@@ -125,9 +122,8 @@ def check_accelerator(trainer_cfg) -> None:
     if isinstance(strategy, str) and strategy != "auto":
         known = StrategyRegistry.available_strategies()
         if strategy not in known:
-            close = nearest(strategy, known)
             raise ConfigError(f"trainer.strategy={strategy}: unknown; e.g. ddp, fsdp, model_parallel, auto"
-                              + (f" (did you mean {close[0]}?)" if close else ""))
+                              + did_you_mean(strategy, known))
 
 
 def _user_error_in_chain(err: BaseException) -> BaseException | None:
@@ -302,8 +298,8 @@ class QATCLI(LightningCLI):
         if ckpt_path != "last" and not _is_checkpoint_file_arg(ckpt_path):
             return
         weights_only = cfg.get("weights_only")
-        run = dict(datamodule=self.datamodule, warmup_steps=next(
-            (cb.warmup_steps for cb in self.trainer.callbacks if isinstance(cb, BF16WarmupCallback)), None))
+        run = dict(datamodule=self.datamodule, warmup=next(
+            (cb for cb in self.trainer.callbacks if isinstance(cb, BF16WarmupCallback)), None))
         if str(ckpt_path) == "last":
             ckpt_path, summary, refused = newest_intact_checkpoint(self.trainer, self.model, weights_only,
                                                                     need_training_state, **run)

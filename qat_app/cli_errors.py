@@ -8,10 +8,11 @@ config". :func:`explain_argument_error` turns such a message into ``<field or fi
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import re
 from pathlib import Path
+
+from .errors import did_you_mean, nearest
 
 _KEY_RE = re.compile(r'Parser key "([^"]+)":?')
 _LITERAL_RE = re.compile(r"Literal\[([^\]]*)\]")
@@ -22,15 +23,6 @@ _NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "E
 # where a short class name given as class_path is looked up for a suggestion
 _CLASS_MODULES = ("lightning.pytorch.loggers", "lightning.pytorch.callbacks", "lightning.pytorch.strategies",
                   "qat_app.data.pretrain", "qat_app.data.benchmarks", "torch.optim", "torch.optim.lr_scheduler")
-
-
-def nearest(word: str, choices, n: int = 1) -> list[str]:
-    return difflib.get_close_matches(str(word), [str(c) for c in choices], n=n, cutoff=0.6)
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = nearest(word, choices)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def config_files(argv: list[str]) -> list[str]:
@@ -119,7 +111,7 @@ def _value_problem(key: str, text: str) -> str:
     if allowed:
         allowed = list(dict.fromkeys(allowed))
         shown = value if value is not None else "?"
-        return f"{key}={shown}: expected one of {', '.join(allowed)}{_did_you_mean(shown, allowed)}"
+        return f"{key}={shown}: expected one of {', '.join(allowed)}{did_you_mean(shown, allowed)}"
     lines = [line.strip(" -") for line in text.splitlines()[1:] if line.strip()]
     useful = [line for line in lines if not line.startswith(_NOISE)]
     reason = useful[0] if useful else (lines[0] if lines else "invalid value")
@@ -144,13 +136,13 @@ def explain_argument_error(message: str, argv: list[str], parser=None) -> str:
     unknown = re.match(r"unrecognized arguments: (\S+)", text, re.I)
     if unknown:
         flag = unknown.group(1).split("=", 1)[0]
-        return f"unknown flag {flag}{_did_you_mean(flag, _flag_names(parser)) if parser is not None else ''}"
+        return f"unknown flag {flag}{did_you_mean(flag, _flag_names(parser)) if parser is not None else ''}"
     unexpected = re.search(r"Key \"([^\"]+)\" is not expected|No action for key \"([^\"]+)\""
                            r"|does not accept (?:option|nested key) '([^']+)'", text)
     if unexpected:
         bad = next(g for g in unexpected.groups() if g)
         flags = [f[2:] for f in _flag_names(parser)] if parser is not None else []
-        return f"{bad}: unknown setting{_did_you_mean(bad, flags)}"
+        return f"{bad}: unknown setting{did_you_mean(bad, flags)}"
     keys = list(_KEY_RE.finditer(text))
     if len(keys) > 1:  # a setting inside a class inside a class: data.init_args.benchmarks.init_args.limit_mode
         parts = [keys[0].group(1)]

@@ -8,6 +8,19 @@ is a bug and keeps its traceback. All input errors are also ``ValueError`` subcl
 
 from __future__ import annotations
 
+import difflib
+
+
+def nearest(word, choices, n: int = 1) -> list[str]:
+    """The closest of ``choices`` to a mistyped ``word`` (difflib, cutoff 0.6): the hint of an error message."""
+    return difflib.get_close_matches(str(word), [str(c) for c in choices], n=n, cutoff=0.6)
+
+
+def did_you_mean(word, choices) -> str:
+    """``" (did you mean X?)"`` for the nearest choice, or ``""``."""
+    close = nearest(word, choices)
+    return f" (did you mean {close[0]}?)" if close else ""
+
 
 class QATError(Exception):
     """Base class: the message says what is wrong and names the setting or file."""

@@ -71,8 +71,7 @@ def grad_norm(grads: list[torch.Tensor], device) -> torch.Tensor:
     sharded = [g for g in grads if isinstance(g, DTensor)]
     if not sharded:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    squares = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in local]).sum()
+    squares = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in local_tensors(grads)]).sum()
     torch.distributed.all_reduce(squares, group=sharded[0].device_mesh.get_group())
     return squares.sqrt()
 

@@ -243,11 +243,12 @@ def check_model_source(name_or_path: str, gguf_file: str | None = None) -> None:
 def check_finite_weights(model, name: str) -> None:
     """Refuse weights holding NaN / inf (a corrupt or overflowed checkpoint): every training step would be
     skipped as non-finite and the run would save an untrained model. One pass over the weights, at load."""
-    flags = [(n, torch.isfinite(p).all()) for n, p in model.named_parameters()]
-    bad = [n for n, ok in flags if not bool(ok)]
-    if bad:
+    named = list(model.named_parameters())
+    finite = torch.stack([torch.isfinite(p).all() for _, p in named]) if named else torch.ones(0, dtype=torch.bool)
+    if not bool(finite.all()):  # one host sync; the names only when something is wrong
+        bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
         raise ModelSourceError(
-            f"model.model_name={name}: {len(bad)} of {len(flags)} weight tensors hold NaN or inf (first: "
+            f"model.model_name={name}: {len(bad)} of {len(named)} weight tensors hold NaN or inf (first: "
             f"{', '.join(bad[:3])}); the checkpoint is corrupt, so every training step would be skipped")
 
 

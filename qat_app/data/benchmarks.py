@@ -126,7 +126,6 @@ class BenchmarkDataModule(lightning.LightningDataModule):
                               "(task names, or mmlu_<subject> for the chosen MMLU subjects)")
         self.doc_ids = dict(doc_ids or {})
         self.tokenizer_name = tokenizer
-        self.limit = limit
         self.seed = seed
         self.batch_size = batch_size
         self.max_length = max_length

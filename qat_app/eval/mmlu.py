@@ -104,13 +104,11 @@ def validate_mmlu_subjects(subjects: Sequence[str] | None) -> tuple[str, ...]:
         return MMLU_SUBJECTS
     if isinstance(subjects, str):
         subjects = [subjects]
-    from difflib import get_close_matches
-
-    from qat_app.errors import ConfigError
+    from qat_app.errors import ConfigError, nearest
 
     unknown = [s for s in subjects if s not in MMLU_SUBJECT_CATEGORIES]
     if unknown:
-        hints = [f"{s} -> {m[0]}" for s in unknown for m in [get_close_matches(s, MMLU_SUBJECTS, n=1, cutoff=0.6)] if m]
+        hints = [f"{s} -> {m[0]}" for s in unknown for m in [nearest(s, MMLU_SUBJECTS)] if m]
         raise ConfigError(f"data.benchmarks.mmlu_subjects: unknown MMLU subject(s) {', '.join(unknown)}"
                           + (f" (did you mean: {'; '.join(hints)}?)" if hints else "")
                           + f"; the 57 subjects: {', '.join(MMLU_SUBJECTS)}")

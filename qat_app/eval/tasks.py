@@ -12,11 +12,8 @@ TASK_SPECS: dict[str, TaskSpec] = {spec.name: spec for spec in (arc.SPEC, hellas
 
 def task_spec(task: str) -> TaskSpec:
     if task not in TASK_SPECS:
-        from difflib import get_close_matches
+        from qat_app.errors import ConfigError, did_you_mean
 
-        from qat_app.errors import ConfigError
-
-        close = get_close_matches(str(task), TASK_NAMES, n=1, cutoff=0.6)
         raise ConfigError(f"data.benchmarks.tasks: unknown benchmark task {task!r}; known tasks: {', '.join(TASK_NAMES)}"
-                          + (f" (did you mean {close[0]}?)" if close else ""))
+                          + did_you_mean(task, TASK_NAMES))
     return TASK_SPECS[task]

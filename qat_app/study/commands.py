@@ -88,20 +88,18 @@ def check_command(study: Study, command: RunCommand) -> None:
     from qat_app.cli import cli_kwargs
     from qat_app.errors import QATError
 
-    captured = io.StringIO()
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
     level, seed_log.level = seed_log.level, logging.WARNING  # no "Seed set to" per checked run
     try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             _parse_only_cli()(**cli_kwargs(), args=command.argv, run=True)
     except _Parsed:
         return
     except QATError as err:
         raise StudyError(f"{study.source}: run {command.name!r}: {err}") from None
-    except SystemExit:
-        text = captured.getvalue()
-        reason = " ".join(text.rsplit("error:", 1)[1].split()) if "error:" in text else (text.strip() or "rejected")
-        raise StudyError(f"{study.source}: run {command.name!r}: {reason}\n  command: {command.shell()}") from None
+    except SystemExit:  # parse errors arrive as QATError (QATCLI.parse_arguments); this is --help / --print_config
+        raise StudyError(f"{study.source}: run {command.name!r}: its flags stop main.py before it trains "
+                         f"(--help or --print_config?)\n  command: {command.shell()}") from None
     finally:
         seed_log.level = level
     raise StudyError(f"{study.source}: run {command.name!r}: the settings did not parse as a {command.subcommand} run")
