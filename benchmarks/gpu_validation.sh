@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/gpu_validation}
 mkdir -p "$OUT"
 export TOKENIZERS_PARALLELISM=false
 
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_triton_fake_quant.py tests/test_saturation.py \
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_backends.py tests/test_saturation.py \
   tests/test_linear.py > "$OUT/kernels.txt" 2>&1
 echo "kernels_rc=$?" > "$OUT/status.txt"
 timeout 210 python benchmarks/step_overhead.py --openpangu --device cuda --seq-len 1024 --micro-batch 8 \

@@ -3,8 +3,9 @@
 For N scalers (126: the paper's openPangu layout, 63 linears x input + weight; 4096: an MoE model),
 each with an observed step, it measures in the same process the ops (aten calls at the top level,
 from torch.profiler) and the wall time of one step's update: ``AmaxScaler.advance`` for each scaler
-(the update before the stacked state) and :func:`qat_app.hif8.scaler_bank.advance_all` (one batched
-update of the stacked views). Prints both and their ratio.
+(one bank of one scaler each: the same batched code, called N times) and
+:func:`qat_app.hif8.scaler_bank.advance_all` (one batched update of all the stacked views). Prints both and
+their ratio.
 
     python benchmarks/scaler_update.py                 # CPU
     python benchmarks/scaler_update.py --device cuda

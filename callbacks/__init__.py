@@ -1,4 +1,5 @@
 from .initial_eval import InitialEvaluationCallback
+from .model_summary import QATModelSummary
 from .progress_log import StepLogCallback
 from .rng import RNGStateCallback
 from .run_summary import RunSummaryCallback
@@ -8,6 +9,6 @@ from .throughput import TokenThroughputMonitor
 from .warmup import BF16WarmupCallback
 
 __all__ = [
-    "AmaxSaturationCallback", "BF16WarmupCallback", "InitialEvaluationCallback", "RNGStateCallback",
+    "AmaxSaturationCallback", "BF16WarmupCallback", "InitialEvaluationCallback", "QATModelSummary", "RNGStateCallback",
     "RunSummaryCallback", "StepLogCallback", "StepProgressBar", "TokenThroughputMonitor",
 ]

@@ -1,12 +1,13 @@
 """Checking a checkpoint before a run resumes from it.
 
 ``python main.py fit --ckpt_path PATH|last`` resolves and checks the checkpoint *before* the trainer starts
-(:class:`main.QATCLI`), so a truncated or foreign file is refused with a message naming it while nothing
-of the run directory has been touched yet (no config.yaml, log or checkpoint is written or overwritten).
-Two stages: right after parsing, an explicit PATH is checked on its own (:func:`check_checkpoint_file`,
-before LightningCLI reads the model settings out of it -- Lightning 2.6 builds the model from a checkpoint
-file's hyperparameters); after instantiation (``before_fit``) ``last`` is resolved and the file is checked
-against the model (:func:`validate_resume_checkpoint`).
+(:class:`qat_app.cli.QATCLI` calls the resume policy at the end of this module), so a truncated or foreign
+file is refused with a message naming it while nothing of the run directory has been touched yet (no
+config.yaml, log or checkpoint is written or overwritten). Two stages: right after parsing, an explicit PATH
+is checked on its own (:func:`check_given_checkpoint`, before LightningCLI reads the model settings out of
+it -- Lightning 2.6 builds the model from a checkpoint file's hyperparameters); after instantiation
+(``before_fit``) ``last`` is resolved and the file is checked against the model (:func:`resolve_ckpt_path`,
+:func:`validate_resume_checkpoint`).
 
 A checkpoint is accepted when it
   * loads with ``torch.load`` (same ``weights_only`` setting Lightning will use; a truncated file fails here),
@@ -345,3 +346,70 @@ def hparam_differences(saved: Any, now: Any) -> list[str]:
         if va != vb:
             out.append(f"model.{key}: {va!r} -> {vb!r}")
     return out
+
+
+# ------------------------------------------------------------------------------------------ resume policy
+def is_checkpoint_file_arg(ckpt_path) -> bool:
+    """``--ckpt_path`` names a file (or sharded directory), not one of Lightning's keywords."""
+    return bool(ckpt_path) and str(ckpt_path) not in ("last", "best", "hpc") and not str(ckpt_path).startswith("registry")
+
+
+def check_given_checkpoint(ckpt_path, subcommand: str, weights_only: bool | None = None, module_class=None) -> bool:
+    """Check an explicit ``--ckpt_path FILE`` on its own, right after parsing (before anything is built from it).
+
+    -> whether the checkpoint's ``model.*`` settings replace the configured ones. ``fit`` resumes the saved
+    run: no, the configured settings are kept and compared with the checkpoint's in :func:`resolve_ckpt_path`
+    (a changed model, data or warmup setting is refused, as with ``--ckpt_path last``). ``validate`` /
+    ``test`` evaluate the saved model: yes, as in Lightning 2.6 (see :func:`log_replaced_settings`).
+    """
+    check_checkpoint_file(str(ckpt_path), weights_only=weights_only, need_training_state=subcommand == "fit",
+                          module_class=module_class)
+    return subcommand != "fit"
+
+
+def settings_dict(value) -> dict:
+    """A parsed config section (a jsonargparse Namespace or a mapping) as a plain dict, a copy."""
+    if value is None:
+        return {}
+    return value.as_dict() if hasattr(value, "as_dict") else dict(value)
+
+
+def log_replaced_settings(ckpt_path, configured: dict, from_checkpoint: dict) -> None:
+    """Log the configured model settings (:func:`settings_dict`) that the checkpoint's replaced (``validate`` /
+    ``test``)."""
+    changed = hparam_differences(configured, from_checkpoint)
+    if changed:
+        log.warning("--ckpt_path %s: the checkpoint's model settings replace the configured ones "
+                    "(configured -> checkpoint): %s", ckpt_path, "; ".join(changed))
+
+
+def resolve_ckpt_path(ckpt_path, trainer, module, need_training_state: bool, weights_only: bool | None = None,
+                      datamodule=None, warmup=None):
+    """-> the checkpoint to run from, checked against the built ``module`` (and, to resume a fit, the data and
+    the ``warmup`` callback): ``last`` becomes the newest intact checkpoint of the run (newer ones that cannot
+    be read are skipped with a warning; None, a new run, when there is none at all), a FILE is checked as it
+    is. Other values (None, ``best``, ...) are returned unchanged. Raises :class:`CheckpointError`."""
+    if ckpt_path != "last" and not is_checkpoint_file_arg(ckpt_path):
+        return ckpt_path
+    run = dict(datamodule=datamodule, warmup=warmup)
+    if str(ckpt_path) == "last":
+        ckpt_path, summary, refused = newest_intact_checkpoint(trainer, module, weights_only, need_training_state, **run)
+        for path, why in refused:
+            log.warning("--ckpt_path last: skipping %s: %s", path, why)
+        if ckpt_path is None:
+            if refused:  # checkpoints exist but none can resume this run: say why, do not start over
+                raise CheckpointError(
+                    f"--ckpt_path last: no checkpoint in {checkpoint_dirs(trainer)} can resume this run; "
+                    f"the newest: {refused[0][1]}")
+            log.warning("--ckpt_path last: no last checkpoint in %s; starting a new run",
+                        checkpoint_dirs(trainer) or "the ModelCheckpoint directory")
+            return None
+        log.info("--ckpt_path last: resuming from %s%s", ckpt_path,
+                 f" (the newest intact checkpoint; {len(refused)} newer refused)" if refused else "")
+    else:
+        ckpt_path = str(ckpt_path)
+        summary = validate_resume_checkpoint(ckpt_path, module, weights_only=weights_only,
+                                             need_training_state=need_training_state, trainer=trainer, **run)
+    if need_training_state:
+        log.info("checkpoint %s (global step %s) checked: resuming", ckpt_path, summary["global_step"])
+    return ckpt_path  # exactly the file that was checked

@@ -7,9 +7,10 @@ argparse programs: ``report`` builds the paper-style results table and figures f
 (:mod:`qat_app.report`), ``export`` writes an 8-bit HiF8 or a plain HF export of a checkpoint
 (:mod:`qat_app.export`, also ``python -m qat_app.export``).
 
-Start-up checks (before anything is written): the settings (:class:`qat_app.errors.ConfigError` naming the
-field), and with ``--ckpt_path PATH|last`` the checkpoint (:mod:`qat_app.checkpoint`: ``last`` is resolved
-to the ModelCheckpoint's newest ``last.ckpt``, a truncated or foreign file is refused). ``python main.py``
+:class:`QATCLI` is the wiring: the arguments, the calls of the start-up checks (before anything is written)
+and the translation of errors. The checks live elsewhere: the settings in :mod:`qat_app.preflight`
+(:class:`qat_app.errors.ConfigError` naming the field), ``--ckpt_path PATH|last`` in :mod:`qat_app.checkpoint`
+(``last`` is resolved to the run's newest intact checkpoint, a truncated or foreign file is refused). ``python main.py``
 prints such errors, bad data (:class:`qat_app.data.pretrain.DataError`) and a run stopped by non-finite
 steps as one ``error: ...`` line (``QAT_APP_TRACEBACK=1`` shows the traceback).
 """
@@ -23,107 +24,19 @@ import sys
 from typing import Optional
 
 import lightning as L
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, InitialEvaluationCallback, RNGStateCallback,
-                       RunSummaryCallback, StepLogCallback, StepProgressBar, TokenThroughputMonitor)
-from qat_app.errors import ConfigError, QATError, did_you_mean
+from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, InitialEvaluationCallback, QATModelSummary,
+                       RNGStateCallback, RunSummaryCallback, StepLogCallback, StepProgressBar, TokenThroughputMonitor)
+from qat_app import preflight
+from qat_app.checkpoint import (check_given_checkpoint, is_checkpoint_file_arg, log_replaced_settings, resolve_ckpt_path,
+                                settings_dict)
+from qat_app.errors import ConfigError, QATError
 from qat_app.module import QATModule
+from qat_app.quiet import quiet_library_notices
 
 log = logging.getLogger("qat_app.cli")
-
-
-def _world_size(trainer_cfg) -> int:
-    import torch
-
-    devices = trainer_cfg.get("devices", "auto")
-    if isinstance(devices, (list, tuple)):
-        count = len(devices)
-    elif isinstance(devices, str) and devices not in ("auto", "-1"):
-        count = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
-    elif isinstance(devices, int) and devices > 0:
-        count = devices
-    else:  # auto / -1: every visible accelerator
-        accelerator = trainer_cfg.get("accelerator", "auto")
-        count = torch.cuda.device_count() if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else 1
-    return max(1, count) * max(1, int(trainer_cfg.get("num_nodes", 1) or 1))
-
-
-def _is_checkpoint_file_arg(ckpt_path) -> bool:
-    return bool(ckpt_path) and str(ckpt_path) not in ("last", "best", "hpc") and not str(ckpt_path).startswith("registry")
-
-
-def _as_dict(value) -> dict:
-    if value is None:
-        return {}
-    return value.as_dict() if hasattr(value, "as_dict") else dict(value)
-
-
-def _relocated(path, old_root: str, new_root: str, field: str) -> str:
-    path, old = os.path.normpath(str(path)), os.path.normpath(old_root)
-    if path == old:
-        return new_root
-    if old == "." and not os.path.isabs(path):
-        return os.path.join(new_root, path)
-    if path.startswith(old.rstrip(os.sep) + os.sep):
-        return os.path.join(new_root, os.path.relpath(path, old))
-    raise ConfigError(f"--run_dir {new_root}: {field}={path} is not under trainer.default_root_dir={old_root}, "
-                      "so it cannot be moved with the run; put it under default_root_dir or set it explicitly")
-
-
-def relocate_run(trainer_cfg, run_dir: str) -> None:
-    """``--run_dir DIR``: every path of the run under ``trainer.default_root_dir`` (the loggers' ``save_dir``,
-    the callbacks' ``dirpath``) moves to the same place under DIR, and DIR becomes the default_root_dir."""
-    old_root = trainer_cfg.get("default_root_dir") or "."
-    for section, key in (("logger", "save_dir"), ("callbacks", "dirpath")):
-        entries = trainer_cfg.get(section)
-        if entries is None or isinstance(entries, bool):
-            continue
-        for i, entry in enumerate(entries if isinstance(entries, list) else [entries]):
-            init_args = entry.get("init_args") if hasattr(entry, "get") else None
-            if init_args is not None and init_args.get(key):
-                init_args[key] = _relocated(init_args[key], old_root, run_dir,
-                                            f"trainer.{section}[{i}].init_args.{key}")
-    trainer_cfg.default_root_dir = run_dir
-
-
-def check_accelerator(trainer_cfg) -> None:
-    """``trainer.accelerator`` / ``devices`` / ``strategy`` that this machine cannot run, refused before the
-    batch arithmetic (which would otherwise report the wrong cause) and before Lightning's own traceback."""
-    import torch
-    from lightning.pytorch.accelerators import AcceleratorRegistry
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    accelerator, devices = trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto")
-    strategy = trainer_cfg.get("strategy", "auto")
-    if isinstance(accelerator, str):
-        known = ["auto", "gpu", *AcceleratorRegistry.available_accelerators()]
-        if accelerator not in known:
-            raise ConfigError(f"trainer.accelerator={accelerator}: unknown; expected one of {', '.join(known)}"
-                              + did_you_mean(accelerator, known))
-        if accelerator in ("gpu", "cuda"):
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if visible == 0:
-                raise ConfigError(f"trainer.accelerator={accelerator}, but torch sees no CUDA GPU on this machine "
-                                  "(torch.cuda.is_available() is False); use --trainer.accelerator cpu")
-            wanted = _world_size({"devices": devices, "accelerator": accelerator})
-            if wanted > visible:
-                raise ConfigError(f"trainer.devices={devices}: this machine has {visible} visible GPU(s)")
-    if str(getattr(strategy, "class_path", strategy)).rsplit(".", 1)[-1] in ("ModelParallelStrategy", "model_parallel"):
-        init = (strategy.get("init_args") if hasattr(strategy, "get") else None) or {}
-        world = _world_size(trainer_cfg)
-        tp, dp = init.get("tensor_parallel_size", "auto"), init.get("data_parallel_size", "auto")
-        if world > 1 and (tp != 1 or dp != world):
-            raise ConfigError(
-                f"trainer.strategy: ModelParallelStrategy needs init_args {{data_parallel_size: {world}, "
-                f"tensor_parallel_size: 1}} here (FSDP2 over all {world} devices; HiF8 QAT does no tensor "
-                f"parallelism), got data_parallel_size={dp}, tensor_parallel_size={tp}")
-    if isinstance(strategy, str) and strategy != "auto":
-        known = StrategyRegistry.available_strategies()
-        if strategy not in known:
-            raise ConfigError(f"trainer.strategy={strategy}: unknown; e.g. ddp, fsdp, model_parallel, auto"
-                              + did_you_mean(strategy, known))
 
 
 def _user_error_in_chain(err: BaseException) -> BaseException | None:
@@ -169,42 +82,37 @@ class QATCLI(LightningCLI):
             subparsers = getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", {})
             raise ConfigError(explain_argument_error(str(err), argv, subparsers.get(subcommand, parser))) from None
 
+    # A private override: LightningCLI's public ``instantiate_trainer(**kwargs)`` can only replace the configured
+    # callbacks, not append after the always-on sections above; the bar must run after them (it shows the
+    # step's sat/* values, which "saturation" logs in the same on_train_batch_end hook).
     def _instantiate_trainer(self, config: dict, callbacks: list) -> L.Trainer:
-        """Add the default :class:`StepProgressBar` where Lightning would add its own bar: not next to a
-        progress bar of the user's (Lightning refuses two) nor with ``enable_progress_bar: false``."""
+        """Add our :class:`StepProgressBar` and :class:`QATModelSummary` where Lightning would add its own:
+        not next to one of the user's (Lightning refuses two bars) nor when ``enable_progress_bar`` /
+        ``enable_model_summary`` is false."""
         given = config.get("callbacks") or []
-        given = given if isinstance(given, list) else [given]
-        if config.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
-            callbacks = [*callbacks, StepProgressBar()]
+        given = [*(given if isinstance(given, list) else [given]), *callbacks]
+        for kind, switch, default in ((ProgressBar, "enable_progress_bar", StepProgressBar),
+                                      (ModelSummary, "enable_model_summary", QATModelSummary)):
+            if config.get(switch) is not False and not any(isinstance(c, kind) for c in given):
+                callbacks = [*callbacks, default()]
         return super()._instantiate_trainer(config, callbacks)
 
+    # A private override: LightningCLI has no public hook between parsing and its own reading of a checkpoint
+    # file's hyperparameters (an unchecked ``torch.load``: a truncated or foreign file would fail there with a
+    # traceback, or configure the model); ``before_instantiate_classes`` comes after it.
     def _parse_ckpt_path(self) -> None:
-        """Check an explicit ``--ckpt_path`` file before anything is built from it.
-
-        ``fit`` resumes the saved run: the configured settings are kept and compared with the checkpoint's in
-        :meth:`before_fit` (a changed model, data or warmup setting is refused, as with ``--ckpt_path last``).
-        ``validate`` / ``test`` evaluate the saved model: as in Lightning 2.6, the checkpoint's ``model.*``
-        settings replace the configured ones (the replaced values are logged).
-        """
+        """Check an explicit ``--ckpt_path`` file before anything is built from it (the policy:
+        :func:`qat_app.checkpoint.check_given_checkpoint`)."""
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not _is_checkpoint_file_arg(ckpt_path):
+        if not is_checkpoint_file_arg(ckpt_path):
             return super()._parse_ckpt_path()
-        from qat_app.checkpoint import check_checkpoint_file, hparam_differences
-
-        check_checkpoint_file(
-            str(ckpt_path), weights_only=self.config[subcommand].get("weights_only"),
-            need_training_state=subcommand == "fit", module_class=QATModule,
-        )
-        if subcommand == "fit":
+        weights_only = self.config[subcommand].get("weights_only")
+        if not check_given_checkpoint(ckpt_path, subcommand, weights_only, module_class=QATModule):
             return
-        before = _as_dict(self.config[subcommand].get("model"))
+        configured = settings_dict(self.config[subcommand].get("model"))
         super()._parse_ckpt_path()
-        changed = hparam_differences(before, _as_dict(self.config[subcommand].get("model")))
-        if changed:
-            log.warning("--ckpt_path %s: the checkpoint's model settings replace the configured ones "
-                        "(configured -> checkpoint): %s", ckpt_path, "; ".join(changed))
+        log_replaced_settings(ckpt_path, configured, settings_dict(self.config[subcommand].get("model")))
 
     def instantiate_classes(self) -> None:
         try:
@@ -218,111 +126,36 @@ class QATCLI(LightningCLI):
             raise cause.with_traceback(cause.__traceback__) from None
 
     def before_instantiate_classes(self) -> None:
+        """The settings (:mod:`qat_app.preflight`), before the model is loaded."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.get("run_dir"):
-            relocate_run(cfg.trainer, cfg.run_dir)
-        check_accelerator(cfg.trainer)
-        model = cfg.get("model") or {}
-        if model.get("model_name") is not None:
-            from qat_app.models import check_model_source, resolve_dtype
-
-            check_model_source(model.get("model_name"), model.get("gguf_file"))
-            resolve_dtype(model.get("dtype", "float32"))
-        data_args = cfg.get("data", {}).get("init_args", {}) or {}
-        global_batch = data_args.get("global_batch_size")
-        if global_batch:
-            from qat_app.data.pretrain import derive_accumulate_grad_batches
-
-            cfg.trainer.accumulate_grad_batches = derive_accumulate_grad_batches(
-                global_batch, data_args.get("micro_batch_size"), _world_size(cfg.trainer)
-            )
+            preflight.relocate_run(cfg.trainer, cfg.run_dir)
+        preflight.check_accelerator(cfg.trainer)
+        preflight.check_model_settings(cfg.get("model"))
+        preflight.derive_gradient_accumulation(cfg)
         if self.subcommand == "fit":
-            self._check_fit_settings(cfg)
-
-    @staticmethod
-    def _check_fit_settings(cfg) -> None:
-        """Settings that only make sense together, checked before the model is loaded."""
-        from callbacks.warmup import check_warmup_fits
-
-        max_steps = cfg.trainer.get("max_steps")
-        max_steps = -1 if max_steps is None else int(max_steps)
-        model = cfg.get("model") or {}
-        if max_steps > 0:
-            check_warmup_fits(int(cfg.warmup.warmup_steps), max_steps)
-        elif model.get("lr_schedule", "cosine") == "cosine":
-            raise ConfigError(
-                "model.lr_schedule=cosine needs trainer.max_steps > 0 (the length of the decay), got "
-                f"trainer.max_steps={max_steps}; set it, or use model.lr_schedule=constant"
-            )
+            preflight.check_fit_settings(cfg)
 
     def before_fit(self) -> None:
         """Resolve and check ``--ckpt_path`` and the data before the trainer writes anything (config, logs,
         checkpoints)."""
-        self._check_ckpt_path(need_training_state=True)
-        self._check_data()
-
-    def _check_data(self) -> None:
-        check = getattr(self.datamodule, "check_inputs", None)
-        if check is not None:
-            check(self.trainer.world_size)
+        self._resolve_ckpt_path(need_training_state=True)
+        preflight.check_data(self.datamodule, self.trainer.world_size)
 
     def before_validate(self) -> None:
-        self._check_ckpt_path(need_training_state=False)
-        self._check_data()
+        self._resolve_ckpt_path(need_training_state=False)
+        preflight.check_data(self.datamodule, self.trainer.world_size)
         if self.config_init[self.subcommand].get("ckpt_path") is None:
-            self._refuse_quantized_model_without_history()
-
-    def _refuse_quantized_model_without_history(self) -> None:
-        """A freshly quantized model has no amax history: every layer would scale each batch by that padded
-        batch's own max, so scores would depend on the batch size. Refuse, saying what to do instead."""
-        from qat_app.hif8.patch import quantized_linears
-
-        layers = quantized_linears(self.model)
-        delayed = [s for _, layer in layers for s in layer.scalers() if s.algo != "current"]
-        if delayed and any(s.uses_current_scaling for s in delayed):
-            raise ConfigError(
-                f"{self.subcommand}: model.quant.enabled=true but the {len(layers)} quantized layers have no amax "
-                "history yet (a model that was never trained with QAT), so each batch would be scaled by its own "
-                "max and the scores would depend on the batch size. Evaluate the unquantized model with "
-                "--model.quant.enabled false, or a QAT run with --ckpt_path <its checkpoint>"
-            )
+            preflight.refuse_quantized_model_without_history(self.model, self.subcommand)
 
     before_test = before_validate
 
-    def _check_ckpt_path(self, need_training_state: bool) -> None:
-        from qat_app.checkpoint import checkpoint_dirs, newest_intact_checkpoint, validate_resume_checkpoint
-        from qat_app.errors import CheckpointError
-
+    def _resolve_ckpt_path(self, need_training_state: bool) -> None:
+        """``--ckpt_path`` becomes exactly the file that was checked (:func:`qat_app.checkpoint.resolve_ckpt_path`)."""
         cfg = self.config_init[self.subcommand]
-        ckpt_path = cfg.get("ckpt_path")
-        if ckpt_path != "last" and not _is_checkpoint_file_arg(ckpt_path):
-            return
-        weights_only = cfg.get("weights_only")
-        run = dict(datamodule=self.datamodule, warmup=next(
-            (cb for cb in self.trainer.callbacks if isinstance(cb, BF16WarmupCallback)), None))
-        if str(ckpt_path) == "last":
-            ckpt_path, summary, refused = newest_intact_checkpoint(self.trainer, self.model, weights_only,
-                                                                    need_training_state, **run)
-            for path, why in refused:
-                log.warning("--ckpt_path last: skipping %s: %s", path, why)
-            if ckpt_path is None:
-                if refused:  # checkpoints exist but none can resume this run: say why, do not start over
-                    raise CheckpointError(
-                        f"--ckpt_path last: no checkpoint in {checkpoint_dirs(self.trainer)} can resume this run; "
-                        f"the newest: {refused[0][1]}")
-                log.warning("--ckpt_path last: no last checkpoint in %s; starting a new run",
-                            checkpoint_dirs(self.trainer) or "the ModelCheckpoint directory")
-                cfg["ckpt_path"] = None
-                return
-            log.info("--ckpt_path last: resuming from %s%s", ckpt_path,
-                     f" (the newest intact checkpoint; {len(refused)} newer refused)" if refused else "")
-        else:
-            ckpt_path = str(ckpt_path)
-            summary = validate_resume_checkpoint(ckpt_path, self.model, weights_only=weights_only,
-                                                 need_training_state=need_training_state, trainer=self.trainer, **run)
-        if need_training_state:
-            log.info("checkpoint %s (global step %s) checked: resuming", ckpt_path, summary["global_step"])
-        cfg["ckpt_path"] = ckpt_path  # exactly the file that was checked
+        warmup = next((cb for cb in self.trainer.callbacks if isinstance(cb, BF16WarmupCallback)), None)
+        cfg["ckpt_path"] = resolve_ckpt_path(cfg.get("ckpt_path"), self.trainer, self.model, need_training_state,
+                                             cfg.get("weights_only"), datamodule=self.datamodule, warmup=warmup)
 
 
 def cli_kwargs() -> dict:
@@ -346,6 +179,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> QATCLI:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # datasets' file readers log a traceback before raising; the error is reported once, as DataError
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
+    quiet_library_notices()
     return QATCLI(**cli_kwargs(), args=args, run=run)
 
 

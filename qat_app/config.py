@@ -1,15 +1,25 @@
-"""QuantConfig: every quantization choice as one flat dataclass, so each field is a CLI flag.
+"""QuantConfig: the command line's flat view of the core's frozen configs, derived from them, not re-declared.
 
-It is the command line's view of the core's three frozen configs (:mod:`qat_app.hif8.recipe`):
-``recipe`` (numerics), ``selection`` (which layers) and ``runtime`` (backend, saved activations,
-initial switches), plus ``enabled`` (false: the matched BF16 baseline). Validation is theirs; a bad
-value is reported as ``quant.<field>: ...``.
+The settings are declared once, in :mod:`qat_app.hif8.recipe`: :class:`HiF8Recipe` (numerics),
+:class:`LayerSelection` (which layers) and :class:`RuntimeOptions` (backend, saved activations, initial
+switches). ``QuantConfig`` is built from their fields -- names, types, defaults and the ``Attributes:``
+documentation that jsonargparse shows as ``--help`` -- plus ``enabled`` (false: the matched BF16 baseline),
+so every core field is a flag ``--model.quant.<field>`` and a field added to the core is one at once.
+Validation is the core's; a bad value is reported as ``quant.<field>: ...``.
+
+Checkpoints and exports store the settings as a plain dictionary (:meth:`QuantConfig.to_dict`), so no class
+of ours is pickled; checkpoints of older mains, which pickled an earlier hand-written ``QuantConfig``, still
+load: the class keeps its import path and fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Literal, Optional
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import docstring_parser
 
 from .errors import ConfigError
 from .hif8.errors import FieldError
@@ -24,73 +34,64 @@ from .hif8.recipe import (  # noqa: F401  (AMAX_ALGOS, STE_MODES: part of this m
     RuntimeOptions,
 )
 
+QUANT_PARTS = {"recipe": HiF8Recipe, "selection": LayerSelection, "runtime": RuntimeOptions}
+# core fields that are Python objects, not values a config file can hold: set from code, with the reason
+CODE_ONLY_FIELDS = {
+    "filter_fn": "a Python callable; from code pass LayerSelection(filter_fn=...) to convert_to_hif8_training",
+}
+ENABLED_DOC = "False gives the matched BF16 baseline (no module is swapped)."
+
 
 class QuantConfigError(ConfigError):
     """A quantization setting is invalid; the message names the field and the allowed values."""
 
 
-@dataclass
-class QuantConfig:
-    """HiF8 W8A8 fake-quantization settings.
+@dataclasses.dataclass(frozen=True)
+class CoreField:
+    """One field of a core config as the command line sees it."""
 
-    Attributes:
-        enabled: False gives the matched BF16 baseline (no module is swapped).
-        format: 8-bit format of weights and activations: ``hif8``, ``e4m3`` or ``e5m2``.
-        amax_algo: how a_hat is estimated: ``most_recent`` (a_hat(t)=amax(t-1)), ``exp_smooth``
-            (alpha*amax(t-1)+(1-alpha)*a_hat(t-1)), ``max`` (max over the last ``history_len`` steps)
-            or ``current`` (CTS: the current tensor's own amax).
-        history_len: H, the amax-history length in optimizer steps (the window of ``max``).
-        alpha: smoothing weight of the newest amax for ``exp_smooth``; the paper leaves it open, 0.1
-            is our choice.
-        max_val: where a_hat is mapped to: s = max_val / a_hat. None: the format's default (HiF8: 15,
-            the top of the 3-bit-mantissa tier).
-        margin: extra headroom, s = max_val / a_hat / 2**margin (TransformerEngine's margin).
-        high_precision_layers: k; the first ceil(k/2) and last floor(k/2) blocks stay unquantized.
-        module_pattern: regex on the full module name selecting the linears to quantize.
-        block_pattern: regex whose first group is the decoder-block index in a module name.
-        quantize_weights / quantize_activations: initial switches (the BF16 warmup callback drives
-            them during fit; observers record amax either way).
-        ste: ``identity`` (straight-through, the paper's) or ``clipped`` (zero gradient where the
-            forward saturated).
-        quantize_grads: also fake-quantize the output gradient in backward (own scaler).
-        grad_max_val / grad_stochastic_rounding: gradient quantizer settings (224 as in MindSpeed).
-        save_8bit_activations: keep the quantized input for backward as uint8 codes plus the scale
-            instead of a full-precision tensor (same gradients, a quarter/half the memory).
-        fused: ``auto`` compiles the fake-quant kernels with torch.compile where a compiler works,
-            ``on`` requires it, ``off`` runs plain torch (identical results).
+    part: type
+    name: str
+    type: Any
+    default: Any
+    doc: str
+
+
+def core_fields() -> Iterator[CoreField]:
+    """Every settable field of the core's configs, in declaration order (recipe, selection, runtime)."""
+    seen: set[str] = set()
+    for part in QUANT_PARTS.values():
+        hints = typing.get_type_hints(part)
+        docs = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(part.__doc__).params}
+        for f in dataclasses.fields(part):
+            if not f.init or f.name in CODE_ONLY_FIELDS:
+                continue
+            if f.name in seen or f.name == "enabled":
+                raise TypeError(f"{part.__name__}.{f.name}: a field of that name is declared twice in the core")
+            seen.add(f.name)
+            yield CoreField(part, f.name, hints[f.name], f.default, docs.get(f.name, ""))
+
+
+@dataclasses.dataclass
+class _QuantConfigBase:
+    """The behaviour of :class:`QuantConfig`; its fields are generated from the core (see the module doc).
+
+    A dataclass without fields: jsonargparse expands a dataclass into flags only when every class of its MRO is one.
     """
-
-    enabled: bool = True
-    format: str = "hif8"
-    amax_algo: Literal["most_recent", "exp_smooth", "max", "current"] = "max"
-    history_len: int = 64
-    alpha: float = 0.1
-    max_val: Optional[float] = None
-    margin: float = 0.0
-    high_precision_layers: int = 5
-    module_pattern: str = DEFAULT_MODULE_PATTERN
-    block_pattern: str = DEFAULT_BLOCK_PATTERN
-    quantize_weights: bool = True
-    quantize_activations: bool = True
-    ste: Literal["identity", "clipped"] = "identity"
-    quantize_grads: bool = False
-    grad_max_val: float = 224.0
-    grad_stochastic_rounding: bool = True
-    save_8bit_activations: bool = True
-    fused: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         try:
-            self.recipe, self.selection, self.runtime  # noqa: B018  (built to validate)
+            self.parts()  # built to validate
         except FieldError as err:
             raise as_quant_config_error(err) from None
 
     def _part(self, cls):
         """The core config ``cls`` with this config's values of its fields (they share the names)."""
-        return cls(**{f.name: getattr(self, f.name) for f in fields(cls) if f.init and hasattr(self, f.name)})
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)
+                      if f.init and f.name not in CODE_ONLY_FIELDS})
 
     @property
     def recipe(self) -> HiF8Recipe:
@@ -104,25 +105,61 @@ class QuantConfig:
     def runtime(self) -> RuntimeOptions:
         return self._part(RuntimeOptions)
 
-    @classmethod
-    def from_layer_options(cls, recipe: HiF8Recipe, runtime: RuntimeOptions) -> "QuantConfig":
-        """The flat settings of a layer built with ``recipe`` and ``runtime`` (selection fields at their defaults)."""
-        return cls(**asdict(recipe), **asdict(runtime))
+    def parts(self) -> dict:
+        """``recipe``, ``selection`` and ``runtime``, as keyword arguments of ``convert_to_hif8_training``."""
+        return {name: self._part(cls) for name, cls in QUANT_PARTS.items()}
 
     def layer_options(self) -> dict:
         """``recipe`` and ``runtime``: the keyword arguments of ``HiF8Linear`` / ``HiF8Linear.from_linear``."""
         return {"recipe": self.recipe, "runtime": self.runtime}
 
-    def parts(self) -> dict:
-        """``recipe``, ``selection`` and ``runtime``, as keyword arguments of ``convert_to_hif8_training``."""
-        return {"recipe": self.recipe, "selection": self.selection, "runtime": self.runtime}
+    @classmethod
+    def from_layer_options(cls, recipe: HiF8Recipe, runtime: RuntimeOptions):
+        """The flat settings of a layer built with ``recipe`` and ``runtime`` (selection fields at their defaults)."""
+        return cls(**dataclasses.asdict(recipe), **dataclasses.asdict(runtime))
+
+    @classmethod
+    def coerce(cls, value):
+        """A ``QuantConfig`` from what a caller holds: one already, a checkpoint's or an export's plain dict, or
+        an object of an older ``QuantConfig`` (old checkpoints pickled it). A key the core does not know is
+        refused by name; a field the source lacks takes the core's default."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        items = dict(value) if isinstance(value, Mapping) else dict(vars(value))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(items) - known)
+        if unknown:
+            raise QuantConfigError(f"quant.{unknown[0]}: not a quantization setting; known: {', '.join(sorted(known))}")
+        return cls(**items)
 
     @property
     def resolved_max_val(self) -> float:
         return self.max_val if self.max_val is not None else get_format(self.format).default_max_val
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain values only (what checkpoints, exports and loggers store)."""
+        return dataclasses.asdict(self)
+
+
+def _docstring() -> str:
+    lines = ["HiF8 W8A8 fake-quantization settings (the fields of the core's HiF8Recipe, LayerSelection and "
+             "RuntimeOptions).", "", "Attributes:", f"    enabled: {ENABLED_DOC}"]
+    lines += [f"    {f.name}: {f.doc}" for f in core_fields()]
+    return "\n".join(lines)
+
+
+def _build_quant_config() -> type:
+    specs = [("enabled", bool, dataclasses.field(default=True))]
+    specs += [(f.name, f.type, dataclasses.field(default=f.default)) for f in core_fields()]
+    cls = dataclasses.make_dataclass("QuantConfig", specs, bases=(_QuantConfigBase,))
+    # pickling (old checkpoints) and jsonargparse's class paths find it here, as before
+    cls.__module__, cls.__qualname__, cls.__doc__ = __name__, "QuantConfig", _docstring()
+    return cls
+
+
+QuantConfig = _build_quant_config()
 
 
 def as_quant_config_error(err: FieldError) -> QuantConfigError:
@@ -130,11 +167,11 @@ def as_quant_config_error(err: FieldError) -> QuantConfigError:
     return QuantConfigError(f"quant.{err.field}{err.sep}{err.message}")
 
 
-def quantize_model(model, quant: QuantConfig):
+def quantize_model(model, quant):
     """The core's ``convert_to_hif8_training`` with the command line's settings; its errors named ``quant.*``."""
     from .hif8.patch import convert_to_hif8_training
 
     try:
-        return convert_to_hif8_training(model, **quant.parts())
+        return convert_to_hif8_training(model, **QuantConfig.coerce(quant).parts())
     except FieldError as err:
         raise as_quant_config_error(err) from None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any, Literal, Optional
 
 import lightning as L
@@ -33,15 +32,16 @@ from .config import QuantConfig, QuantConfigError
 from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
 from .config import quantize_model
-from .hif8.patch import QuantReport, quantized_linears
+from .eval.records import write_benchmark_records
+from .hif8.patch import QuantReport, quantized_block_range, quantized_linears
 from .fsdp import grad_norm as global_grad_norm
 from .fsdp import local_tensors, shard_model
+from .flops import FlopsModel
 from .hif8.training import sync_and_advance
 
 log = logging.getLogger(__name__)
 
 
-SAMPLES_DIR = "benchmark_samples"  # per-example benchmark records, in the logger's directory
 CHECKPOINT_KEY = "qat_app"  # our entry in Lightning checkpoints (marks a QATModule checkpoint)
 CHECKPOINT_FORMAT = 1
 
@@ -100,8 +100,12 @@ class QATModule(L.LightningModule):
             raise ConfigError(f"model.lr_warmup_steps: must be >= 0, got {lr_warmup_steps}")
         if not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
             raise ConfigError(f"model.max_consecutive_nonfinite: must be an integer >= 1, got {max_consecutive_nonfinite!r}")
+        self.quant = quant = QuantConfig.coerce(quant)  # a checkpoint's hyper-parameters hold a plain dict
+        # save_hyperparameters reads the constructor's arguments from its locals: the checkpoint (and the
+        # loggers) get the settings as plain values, so no class of ours is pickled into a checkpoint
+        quant = quant.to_dict()
         self.save_hyperparameters()
-        self.quant = quant
+        quant = self.quant
         self.model, self.tokenizer = load_causal_lm(
             model_name, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code
         )
@@ -112,10 +116,11 @@ class QATModule(L.LightningModule):
         if self.quant_report is not None:
             if self.quant_report.num_linears == 0:
                 blocks = self.quant_report.num_blocks
+                quantized = quantized_block_range(blocks, quant.high_precision_layers)  # the core's boundary rule
                 raise QuantConfigError(
                     f"quant.module_pattern {quant.module_pattern!r} matches no linear layer inside the quantized blocks "
                     f"(quant.high_precision_layers={quant.high_precision_layers} keeps the first "
-                    f"{math.ceil(quant.high_precision_layers / 2)} and last {quant.high_precision_layers // 2} of "
+                    f"{quantized.start} and last {blocks - quantized.stop} of "
                     f"{blocks} blocks in high precision): nothing would be quantized"
                 )
             log.info(self.quant_report.summary())
@@ -124,12 +129,23 @@ class QATModule(L.LightningModule):
         self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step
         self._step_grad_norm: torch.Tensor | None = None
         self.evaluator = None  # built lazily when benchmark batches arrive
+        self._flops = FlopsModel(self.model)
+        self._batch_shape: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the last batch
 
     # --------------------------------------------------------------------------------- training
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels=None):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
+    @property
+    def flops_per_batch(self) -> int | None:
+        """Model FLOPs of the last batch (:mod:`qat_app.flops`: forward, x3 in training); Lightning's
+        ThroughputMonitor turns it into ``flops_per_sec`` and, on a GPU it knows, MFU."""
+        if self._batch_shape is None:
+            return None
+        return self._flops.batch(*self._batch_shape, training=self.training)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._batch_shape = tuple(batch["input_ids"].shape)
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
         loss = out.loss
         # device-side flag over the micro-batches of this optimizer step (no host sync here)
@@ -229,14 +245,14 @@ class QATModule(L.LightningModule):
         # from restoring the dataloader state on resume (Lightning issue #20550).
         total = self.trainer.max_steps if self.trainer is not None else -1
         schedule = self.hparams.lr_schedule
-        if schedule == "cosine" and (total is None or total <= 0):
-            raise ConfigError("model.lr_schedule=cosine needs trainer.max_steps > 0 (or use lr_schedule: constant)")
+        check_lr_schedule(schedule, total)
         lr_lambda = lr_multiplier(schedule, self.hparams.lr_warmup_steps, total, self.hparams.min_lr_ratio)
         scheduler = LambdaLR(optimizer, lr_lambda)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------- validation
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_shape = tuple(batch["input_ids"].shape)
         if "benchmark" in batch:
             if self.evaluator is None:
                 from .eval.evaluator import BenchmarkEvaluator
@@ -262,27 +278,17 @@ class QATModule(L.LightningModule):
         return list(names)
 
     def _log_benchmarks(self, prefix: str) -> None:
-        """Log the benchmark metrics and write every example's record to
-        ``<log_dir>/benchmark_samples/<prefix>_step<global_step>.jsonl`` (rank 0; all ranks' examples)."""
+        """Log the benchmark metrics; rank 0 writes every example's record (all ranks' examples) with
+        :func:`qat_app.eval.records.write_benchmark_records`."""
         if self.evaluator is None:
             return
-        from .eval.evaluator import record_rows, write_records
-
         results, records = self.evaluator.compute_with_records()
         for key, value in results.items():
             self.log(f"{prefix}/{key}", value, add_dataloader_idx=False, sync_dist=False)
         self.evaluator.reset()
         log_dir = self.trainer.log_dir if self.trainer is not None else None  # a broadcast: on every rank
-        if not records or log_dir is None or not self.trainer.is_global_zero:
-            return
-        datamodule = self._benchmark_datamodule()
-        rows = []
-        for task, task_records in records.items():
-            examples = datamodule.examples(task) if hasattr(datamodule, "examples") else None
-            rows += record_rows(task, task_records, examples, self.global_step)
-        path = os.path.join(log_dir, SAMPLES_DIR, f"{prefix}_step{self.global_step:07d}.jsonl")
-        write_records(path, rows)
-        log.info("benchmark records of %d examples written to %s", len(rows), path)
+        if records and log_dir is not None and self.trainer.is_global_zero:
+            write_benchmark_records(records, self._benchmark_datamodule(), log_dir, prefix, self.global_step)
 
     def on_validation_epoch_end(self) -> None:
         self._log_benchmarks("val")
@@ -300,6 +306,17 @@ class QATModule(L.LightningModule):
 
 def _gradients(optimizer) -> list[torch.Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def check_lr_schedule(schedule: str, max_steps: int | None) -> None:
+    """The schedule's one length rule, checked before the model is loaded (:mod:`qat_app.preflight`) and when
+    the optimizer is built: ``cosine`` decays over ``trainer.max_steps``, so it needs ``max_steps > 0``."""
+    max_steps = -1 if max_steps is None else int(max_steps)
+    if schedule == "cosine" and max_steps <= 0:
+        raise ConfigError(
+            "model.lr_schedule=cosine needs trainer.max_steps > 0 (the length of the decay), got "
+            f"trainer.max_steps={max_steps}; set it, or use model.lr_schedule=constant"
+        )
 
 
 def lr_multiplier(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float):

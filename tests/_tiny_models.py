@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints saved with the embedded SmolLM2 tokenizer, loadable by path like a hub model."""
+"""Tiny models and tokenizers shared by several test files: random Llama checkpoints saved with the embedded
+SmolLM2 tokenizer (loadable by path like a hub model), random MoE models, a small trained byte-level BPE."""
 
 from __future__ import annotations
 
@@ -18,3 +19,36 @@ def save_tiny_llama(path, tokenizer, *, hidden_size=32, intermediate_size=64, nu
     )).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def moe_model(model_type: str, *, hidden_size: int = 32, intermediate_size: int = 48, experts: int = 4):
+    """A 4-block random MoE model (``mixtral``, ``qwen2_moe`` or ``qwen3_moe``), 2 experts per token, eager experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    H, I, E = hidden_size, intermediate_size, experts
+    common = dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    extra = {"mixtral": dict(intermediate_size=I, num_local_experts=E, num_experts_per_tok=2),
+             "qwen2_moe": dict(intermediate_size=I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                               num_experts=E, num_experts_per_tok=2, decoder_sparse_step=1),
+             "qwen3_moe": dict(intermediate_size=I, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
+                               decoder_sparse_step=1, head_dim=16)}[model_type]
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **common, **extra))
+    model.config._experts_implementation = "eager"
+    return model
+
+
+def byte_level_tokenizer(vocab_size: int = 400):
+    """A small trained byte-level BPE (every string encodes; no GGUF conversion needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    corpus = ["Question: Which of these is the answer?\nAnswer: the answer is B.", "The following are multiple choice questions"]
+    tokenizer.train_from_iterator(corpus * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")

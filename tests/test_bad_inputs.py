@@ -22,7 +22,7 @@ import torch
 import yaml
 
 import main as cli
-from tests.test_cli_fit import write_config
+from tests._cli_runs import write_config
 
 ALGOS = "most_recent, exp_smooth, max, current"
 BENCH = "qat_app.data.benchmarks.BenchmarkDataModule"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import main as cli
-from tests.test_cli_fit import STEPS, write_config
+from tests._cli_runs import STEPS, write_config
 
 BENCHMARKS = {
     "class_path": "qat_app.data.benchmarks.BenchmarkDataModule",

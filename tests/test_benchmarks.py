@@ -13,22 +13,7 @@ from qat_app.eval.examples import build_examples, load_task_examples, select_doc
 from qat_app.eval.hellaswag import hellaswag_preprocess
 from qat_app.eval.layout import BenchmarkCollator, layout_rows
 from qat_app.eval.mmlu import MMLU_SUBJECTS
-
-
-def byte_level_tokenizer(vocab_size: int = 400):
-    """A small trained byte-level BPE (every string encodes; no GGUF conversion needed)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    corpus = ["Question: Which of these is the answer?\nAnswer: the answer is B.", "The following are multiple choice questions"]
-    tokenizer.train_from_iterator(corpus * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+from tests._tiny_models import byte_level_tokenizer
 
 
 @pytest.fixture(scope="module")

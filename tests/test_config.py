@@ -32,3 +32,74 @@ def test_defaults_are_the_papers():
     assert (cfg.format, cfg.amax_algo, cfg.history_len, cfg.resolved_max_val, cfg.high_precision_layers) == (
         "hif8", "max", 64, 15.0, 5)
     assert QuantConfig(format="e4m3").resolved_max_val == 448.0
+
+
+# ------------------------------------------------------------------------------ one declaration: the core's
+import dataclasses  # noqa: E402
+import typing  # noqa: E402
+
+from qat_app.config import CODE_ONLY_FIELDS, QUANT_PARTS, core_fields  # noqa: E402
+
+# a non-default value for each str field (other types get one from their type below); a new str field of
+# the core fails test_every_core_field_is_a_flag until it gets a value here
+STR_VALUES = {"format": "e5m2", "module_pattern": r"\.mlp\.down_proj$", "block_pattern": r"\.layers\.(\d+)\."}
+
+
+def _other_value(field):
+    """A valid value of ``field`` other than its default, as typed on the command line and as parsed."""
+    args = typing.get_args(field.type)
+    if typing.get_origin(field.type) is typing.Literal:
+        value = next(a for a in args if a != field.default)
+        return value, value
+    if field.type is bool:
+        return str(not field.default).lower(), not field.default
+    if field.type is int:
+        return str(field.default + 1), field.default + 1
+    if field.type is float or float in args:
+        return "0.5", 0.5
+    assert field.name in STR_VALUES, f"core field {field.name} ({field.type}): give it a value in STR_VALUES"
+    return STR_VALUES[field.name], STR_VALUES[field.name]
+
+
+def test_quant_config_fields_are_exactly_the_cores():
+    declared = [f.name for part in QUANT_PARTS.values() for f in dataclasses.fields(part)
+                if f.init and f.name not in CODE_ONLY_FIELDS]
+    assert [f.name for f in dataclasses.fields(QuantConfig)] == ["enabled", *declared]
+    for core in core_fields():  # same type, default and documentation as the core declares
+        mine = next(f for f in dataclasses.fields(QuantConfig) if f.name == core.name)
+        assert (mine.type, mine.default) == (core.type, core.default)
+        assert core.doc and core.doc in QuantConfig.__doc__, f"{core.part.__name__}.{core.name} is undocumented"
+
+
+class _StopAfterParse(Exception):
+    pass
+
+
+@pytest.mark.parametrize("field", list(core_fields()), ids=lambda f: f.name)
+def test_every_core_field_is_a_flag(field):
+    """``--model.quant.<field>`` reaches the core config that declares the field, for every core field."""
+    from qat_app.cli import QATCLI, cli_kwargs
+
+    parsed = {}
+
+    class ParseOnly(QATCLI):
+        def before_instantiate_classes(self) -> None:
+            parsed["quant"] = self.config.fit.model.quant.as_dict()
+            raise _StopAfterParse
+
+    typed, expected = _other_value(field)
+    assert expected != field.default
+    with pytest.raises(_StopAfterParse):
+        ParseOnly(**cli_kwargs(), args=["fit", "--config", "configs/quickstart.yaml", f"--model.quant.{field.name}",
+                                        typed], run=True)
+    quant = QuantConfig.coerce(parsed["quant"])
+    part = next(name for name, cls in QUANT_PARTS.items() if cls is field.part)
+    assert getattr(quant.parts()[part], field.name) == expected
+
+
+def test_coerce_reads_plain_dicts_and_names_unknown_keys():
+    cfg = QuantConfig(amax_algo="exp_smooth", alpha=0.3)
+    assert QuantConfig.coerce(cfg.to_dict()) == cfg
+    assert QuantConfig.coerce({"history_len": 7}) == QuantConfig(history_len=7)  # absent: the core's default
+    with pytest.raises(QuantConfigError, match=r"quant.histroy_len: not a quantization setting"):
+        QuantConfig.coerce({"histroy_len": 7})

@@ -19,6 +19,7 @@ import main as cli
 from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, RNGStateCallback, RunSummaryCallback, StepLogCallback,
                        StepProgressBar, TokenThroughputMonitor)
 from qat_app.module import QATModule
+from qat_app.preflight import check_fit_settings
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(cli.__file__)), "configs", "*.yaml")))
 
@@ -64,7 +65,7 @@ def test_config_instantiates(config, tmp_path, monkeypatch, deep_tiny_model_dir)
     if init.get("global_batch_size"):  # 8 GPUs' global batch, now on one device: more accumulation
         assert trainer.accumulate_grad_batches == init["global_batch_size"] // init["micro_batch_size"]
     if pretrain:
-        cli.QATCLI._check_fit_settings(run.config)  # what `fit` checks before loading the model
+        check_fit_settings(run.config)  # what `fit` checks before loading the model
         assert trainer.max_steps == trainer_spec["max_steps"]
 
     # every configured logger really built: TensorBoard's SummaryWriter needs the tensorboard package

@@ -9,27 +9,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
-
-import lightning as L
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests._ddp_runs import STEPS, SYNCED, ddp_config, dumps, run_main
 from tests._dist_workers import sync_worker
-from tests.test_cli_fit import write_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- sync_step_amax
-# identical on every rank; the saturation counters (clipped / seen elements) stay per rank
-SYNCED = ("amax_history", "a_hat", "scale", "steps_recorded", "last_amax", "last_a_hat")
-
-
 def test_sync_step_amax_two_processes(tmp_path):
     mp.spawn(sync_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
@@ -49,68 +37,11 @@ def test_sync_step_amax_two_processes(tmp_path):
 
 
 # ----------------------------------------------------------------------------- DDP fit via main.py
-STEPS, WARMUP = 4, 2
-
-
-class RankDump(L.Callback):
-    """Writes, per rank, the batches and losses it trained on and its scaler states at the end of fit."""
-
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-        self.records: dict[str, list] = {}
-        self._step = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._step = trainer.global_step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        digest = hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:12]
-        self.records[f"{self._step}/{batch_idx}"] = [float(outputs["loss"]), digest]
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        scalers = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items() if "_scaler." in k}
-        os.makedirs(self.out_dir, exist_ok=True)
-        torch.save({"records": self.records, "scalers": scalers, "world_size": trainer.world_size,
-                    "global_step": trainer.global_step, "skipped_steps": int(pl_module.skipped_steps)},
-                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
-
-
-def _ddp_config(tmp_path, model_dir, corpus) -> str:
-    return write_config(
-        tmp_path, model_dir, corpus,
-        **{
-            "trainer.strategy": "ddp",
-            "trainer.devices": 2,
-            "trainer.max_steps": STEPS,
-            "trainer.callbacks": [
-                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                 "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True, "every_n_train_steps": 2,
-                               "save_top_k": -1}},
-                {"class_path": "tests.test_ddp.RankDump", "init_args": {"out_dir": str(tmp_path / "dump")}},
-            ],
-            "warmup.warmup_steps": WARMUP,
-            "model.quant.quantize_grads": True,  # per-rank RNG draws (stochastic rounding)
-            "data.init_args.global_batch_size": 8,  # 2 ranks x micro-batch 2 x accumulation 2
-        },
-    )
-
-
-def _run_main(args: list[str], timeout: int = 300) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-
-
-def _dumps(directory) -> list[dict]:
-    return [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=True) for r in range(2)]
-
-
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, tiny_model_dir, tiny_corpus):
     tmp = tmp_path_factory.mktemp("ddp")
-    _run_main(["fit", "--config", _ddp_config(tmp, tiny_model_dir, tiny_corpus)])
-    return tmp, _dumps(tmp / "dump")
+    run_main(["fit", "--config", ddp_config(tmp, tiny_model_dir, tiny_corpus)])
+    return tmp, dumps(tmp / "dump")
 
 
 @pytest.mark.slow
@@ -142,8 +73,8 @@ def test_ddp_resume_restores_every_rank(ddp_run, tmp_path, tiny_model_dir, tiny_
     loader_state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert loader_state["world_size"] == 2 and len(loader_state["data_parallel_states"]) == 2
     assert saved["callbacks"]["RNGStateCallback"]["world_size"] == 2
-    _run_main(["fit", "--config", _ddp_config(tmp_path, tiny_model_dir, tiny_corpus), "--ckpt_path", str(ckpt)])
-    for want, got in zip(straight, _dumps(tmp_path / "dump")):
+    run_main(["fit", "--config", ddp_config(tmp_path, tiny_model_dir, tiny_corpus), "--ckpt_path", str(ckpt)])
+    for want, got in zip(straight, dumps(tmp_path / "dump")):
         expected = {k: v for k, v in want["records"].items() if int(k.split("/")[0]) >= 2}
         assert got["records"] == expected  # same batches and bit-identical losses on each rank
         for key, value in want["scalers"].items():

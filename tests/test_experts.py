@@ -13,6 +13,7 @@ from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.recipe import HiF8Recipe, LayerSelection, RuntimeOptions
 from qat_app.hif8.scaler_bank import advance_all
 from qat_app.hif8.scaling import all_scalers
+from tests._tiny_models import moe_model
 
 RECIPE, RUNTIME = HiF8Recipe(amax_algo="max", history_len=3), RuntimeOptions(fused="off")
 
@@ -105,21 +106,6 @@ def test_quantized_mixtral_trains_and_restores():
     assert torch.equal(model(input_ids=ids).logits, other(input_ids=ids).logits)
     assert dequantize_model(model) == len(names)
     assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
-
-
-def moe_model(model_type: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
-    extra = {"mixtral": dict(intermediate_size=I, num_local_experts=E, num_experts_per_tok=2),
-             "qwen2_moe": dict(intermediate_size=I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
-                               num_experts=E, num_experts_per_tok=2, decoder_sparse_step=1),
-             "qwen3_moe": dict(intermediate_size=I, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
-                               decoder_sparse_step=1, head_dim=16)}[model_type]
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **common, **extra))
-    model.config._experts_implementation = "eager"
-    return model
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])

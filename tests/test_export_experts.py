@@ -12,7 +12,7 @@ from qat_app.hif8.experts import HiF8Experts
 from qat_app.hif8.patch import quantized_linears, set_quantization
 from qat_app.hif8.scaler_bank import advance_all
 from qat_app.hif8.scaling import all_scalers
-from tests.test_experts import moe_model
+from tests._tiny_models import moe_model
 
 QUANT = QuantConfig(high_precision_layers=2, fused="off", history_len=2)
 
@@ -94,7 +94,7 @@ def test_experts_export_reloads_exactly(tmp_path):
         assert [s.has_history for s in a.scalers()] == [s.has_history for s in b.scalers()], name
         assert a.get_extra_state() == b.get_extra_state()
     loaded_experts = loaded.get_submodule("model.layers.1.mlp.experts")
-    assert loaded_experts.gate_up[0]._exported_key == loaded_experts.gate_up[0]._weight_key(loaded_experts.gate_up_proj[0])
+    assert loaded_experts.gate_up[0].is_exported(loaded_experts.gate_up_proj[0])
 
 
 def test_exported_flag_falls_back_on_change_and_training(tmp_path):

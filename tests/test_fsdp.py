@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.test_ddp import ROOT, STEPS, SYNCED, _ddp_config, _dumps, _run_main
+from tests._ddp_runs import ROOT, STEPS, SYNCED, ddp_config, dumps, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ class NaNGradOnRank(L.Callback):
 
 
 def _config(tmp, model_dir, corpus, strategy, extra_callbacks=()):
-    path = _ddp_config(tmp, model_dir, corpus)
+    path = ddp_config(tmp, model_dir, corpus)
     import yaml
 
     config = yaml.safe_load(open(path))
@@ -72,8 +72,8 @@ def runs(tmp_path_factory, tiny_model_dir, tiny_corpus):
     out = {}
     for name, strategy in (("ddp", "ddp"), ("fsdp", FSDP)):
         tmp = tmp_path_factory.mktemp(name)
-        _run_main(["fit", "--config", _config(tmp, tiny_model_dir, tiny_corpus, strategy)])
-        out[name] = (tmp, _dumps(tmp / "dump"))
+        run_main(["fit", "--config", _config(tmp, tiny_model_dir, tiny_corpus, strategy)])
+        out[name] = (tmp, dumps(tmp / "dump"))
     return out
 
 
@@ -90,7 +90,7 @@ def test_fsdp_trains_like_ddp(runs):
 
 def test_fsdp_resume_is_exact(runs, tmp_path, tiny_model_dir, tiny_corpus):
     _, straight = runs["fsdp"]
-    crash = {"class_path": "tests.test_resume.CrashAt", "init_args": {"step": 2}}
+    crash = {"class_path": "tests._cli_runs.CrashAt", "init_args": {"step": 2}}
     config = _config(tmp_path, tiny_model_dir, tiny_corpus, FSDP, [crash])
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
     crashed = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "fit", "--config", config], cwd=ROOT,
@@ -98,8 +98,8 @@ def test_fsdp_resume_is_exact(runs, tmp_path, tiny_model_dir, tiny_corpus):
     assert crashed.returncode != 0 and "simulated node failure" in crashed.stderr
     assert (tmp_path / "ckpt" / "last.ckpt" / ".metadata").is_file()
     config = _config(tmp_path, tiny_model_dir, tiny_corpus, FSDP)  # the same run, without the crash
-    _run_main(["fit", "--config", config, "--ckpt_path", "last"])
-    resumed = _dumps(tmp_path / "dump")
+    run_main(["fit", "--config", config, "--ckpt_path", "last"])
+    resumed = dumps(tmp_path / "dump")
     for r in range(2):
         assert resumed[r]["global_step"] == STEPS
         _assert_same_scalers(resumed[r], straight[r])
@@ -109,8 +109,8 @@ def test_fsdp_resume_is_exact(runs, tmp_path, tiny_model_dir, tiny_corpus):
 
 def test_fsdp_nan_on_one_rank_skips_the_step_on_both(tmp_path, tiny_model_dir, tiny_corpus):
     poison = {"class_path": "tests.test_fsdp.NaNGradOnRank", "init_args": {"rank": 1, "step": 3}}
-    _run_main(["fit", "--config", _config(tmp_path, tiny_model_dir, tiny_corpus, FSDP, [poison])])
-    r0, r1 = _dumps(tmp_path / "dump")
+    run_main(["fit", "--config", _config(tmp_path, tiny_model_dir, tiny_corpus, FSDP, [poison])])
+    r0, r1 = dumps(tmp_path / "dump")
     assert r0["skipped_steps"] == r1["skipped_steps"] == 1
     _assert_same_scalers(r0, r1)
     for dump in (r0, r1):
@@ -138,7 +138,7 @@ def test_two_nodes_on_loopback_match_one_node(runs, tmp_path, tiny_model_dir, ti
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-4000:]
-    two_nodes = _dumps(tmp_path / "dump")
+    two_nodes = dumps(tmp_path / "dump")
     for r in range(2):
         assert two_nodes[r]["world_size"] == 2
         assert two_nodes[r]["records"] == one_node[r]["records"]  # same batches, same losses, same ranks

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 
 import main as cli
-from tests.test_cli_fit import write_config
+from tests._cli_runs import write_config
 
 CLIP = 0.05  # small: every step of the tiny model is clipped
 

@@ -1,9 +1,11 @@
-"""The package layout: no import cycles between modules at import time, and no file over 500 lines."""
+"""The package layout: no import cycles between modules at import time, and no file over 500 lines; the tests
+mirror it: no test file imports another (shared helpers live in the ``tests/_*.py`` helper modules)."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("qat_app", "callbacks")
@@ -72,3 +74,37 @@ def test_no_import_cycles():
 def test_no_file_over_500_lines():
     long = {path: n for path in modules().values() if (n := sum(1 for _ in open(path))) > MAX_LINES}
     assert not long, long
+
+
+TEST_MODULE = re.compile(r"^(?:tests\.)?(test_\w+)")
+
+
+def reached_test_modules(path: str) -> set[str]:
+    """The test modules ``path`` reaches into, other than itself: imports anywhere in the file
+    (``from tests.test_x import``, ``import tests.test_x``, ``from tests import test_x``, ``from .test_x import``)
+    and class paths in strings (``"tests.test_x.Callback"``, which main.py imports)."""
+    own = os.path.basename(path)[:-3]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+            if node.module in (None, "tests"):  # from . import test_x / from tests import test_x
+                names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("tests.test_"):
+            names = [node.value]
+        else:
+            continue
+        found |= {m.group(1) for name in names if (m := TEST_MODULE.match(name))} - {own}
+    return found
+
+
+def test_no_test_file_imports_another():
+    """Helpers shared by several test files live in helper modules (``tests/_cli_runs.py``, ``_tiny_models.py``,
+    ...), so each test file runs, moves and is renamed on its own."""
+    tests_dir = os.path.join(ROOT, "tests")
+    files = sorted(f for f in os.listdir(tests_dir) if f.endswith(".py") and (f.startswith("test_") or f.startswith("_")))
+    assert "test_layout.py" in files and "_cli_runs.py" in files
+    reached = {f: reached_test_modules(os.path.join(tests_dir, f)) for f in files}
+    assert {f: sorted(r) for f, r in reached.items() if r} == {}

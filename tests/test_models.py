@@ -13,6 +13,7 @@ import torch
 torch.set_num_threads(2)
 
 from qat_app import models  # noqa: E402
+from qat_app.models import embedded  # noqa: E402
 from qat_app.models import EMBEDDED_MODEL, load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
 
 ENGLISH = (
@@ -143,7 +144,7 @@ def test_embedded_cache_write_is_atomic(monkeypatch, tmp_path):
     target.mkdir()
     (target / "config.json").write_text("{}")  # stale / foreign cache without a source record
     assert models.embedded_model_dir(EMBEDDED_MODEL, tmp_path) == target
-    assert (target / "model.safetensors").is_file() and (target / models._SOURCE_FILE).is_file()
+    assert (target / "model.safetensors").is_file() and (target / embedded.SOURCE_FILE).is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [target.name]
 
 
@@ -153,7 +154,7 @@ def test_embedded_gguf_conversion_and_cache(tmp_path, monkeypatch):
     """The real SmolLM2-135M-Instruct GGUF: converted once into a safetensors cache, loaded from the cache
     the second time (fast, no conversion), identical logits to the GGUF-loaded model, sensible perplexity."""
     calls, gguf_logits = [], {}
-    real_convert, real_copy = models._convert_gguf_to_cache, models.dequantized_copy
+    real_convert, real_copy = embedded._convert_gguf_to_cache, embedded.dequantized_copy
 
     def spy_copy(gguf_model):  # the GGUF-loaded model passes through here during the conversion
         from transformers import AutoTokenizer
@@ -165,8 +166,8 @@ def test_embedded_gguf_conversion_and_cache(tmp_path, monkeypatch):
             gguf_logits["ids"], gguf_logits["logits"] = ids, gguf_model(ids).logits
         return real_copy(gguf_model)
 
-    monkeypatch.setattr(models, "dequantized_copy", spy_copy)
-    monkeypatch.setattr(models, "_convert_gguf_to_cache", lambda *a: (calls.append(a), real_convert(*a))[1])
+    monkeypatch.setattr(embedded, "dequantized_copy", spy_copy)
+    monkeypatch.setattr(embedded, "_convert_gguf_to_cache", lambda *a: (calls.append(a), real_convert(*a))[1])
 
     model, tok = load_causal_lm(EMBEDDED_MODEL, cache_dir=str(tmp_path))
     assert len(calls) == 1 and "logits" in gguf_logits
@@ -190,3 +191,41 @@ def test_embedded_gguf_conversion_and_cache(tmp_path, monkeypatch):
     assert ppl < 40, f"perplexity {ppl} on an English passage is too high"
     text = tok2.decode(model2.generate(ids[:, :12], max_new_tokens=8, do_sample=False)[0])
     assert text.startswith(tok2.decode(ids[0, :12]))
+
+
+# ------------------------------------------------------------------------------------------ the model source
+def test_model_source_kinds_and_hub_kwargs(tiny_dir, tmp_path):
+    from qat_app.models import ModelSource
+
+    local = ModelSource.locate(str(tiny_dir), revision="v1", cache_dir=str(tmp_path), trust_remote_code=True)
+    assert (local.kind, local.path, local.gguf_file, local.local) == ("local", str(tiny_dir), None, True)
+    assert local.hub_kwargs() == {"trust_remote_code": True, "revision": "v1"}  # no download cache for a directory
+    (tiny_dir / "m.gguf").write_bytes(b"GGUF")
+    gguf = ModelSource.locate(str(tiny_dir / "m.gguf"))
+    assert (gguf.kind, gguf.path, gguf.gguf_file) == ("gguf", str(tiny_dir), "m.gguf")
+    assert ModelSource.locate(str(tiny_dir), "m.gguf") == gguf.__class__(str(tiny_dir), "gguf", str(tiny_dir), "m.gguf")
+    hub = ModelSource.locate("some-org/some-model", cache_dir="/hf", revision="main")
+    assert (hub.kind, hub.path, hub.local) == ("hub", "some-org/some-model", False)
+    assert hub.hub_kwargs() == {"trust_remote_code": False, "revision": "main", "cache_dir": "/hf"}
+    with pytest.raises(FileNotFoundError, match="gguf_file 'x.gguf' not found"):
+        ModelSource.locate(str(tiny_dir), "x.gguf")
+    with pytest.raises(ValueError, match="is a file; pass a model directory"):
+        ModelSource.locate(str(tiny_dir / "config.json"))
+    with pytest.raises(ValueError, match="non-empty string"):
+        ModelSource.locate("")
+
+
+def test_model_source_is_resolved_once_per_load(tiny_dir, monkeypatch):
+    """load_causal_lm classifies the name and reads config.json (a download for hub ids) once, for the
+    tokenizer and the model together."""
+    from qat_app import openpangu
+    from qat_app.models import ModelSource
+
+    located, reads = [], []
+    real_locate, real_read = ModelSource.locate.__func__, openpangu.read_config
+    monkeypatch.setattr(ModelSource, "locate", classmethod(lambda cls, *a, **k: (located.append(a), real_locate(cls, *a, **k))[1]))
+    monkeypatch.setattr(openpangu, "read_config", lambda *a, **k: (reads.append(a), real_read(*a, **k))[1])
+    load_causal_lm(str(tiny_dir))
+    assert len(located) == 1 and len(reads) == 1
+    source = ModelSource.resolve(str(tiny_dir))
+    assert not source.is_openpangu and not source.openpangu_tokenizer

@@ -21,7 +21,7 @@ import torch
 import main as cli
 from qat_app.module import NonFiniteStepError
 from qat_app.hif8.patch import quantized_linears
-from tests.test_cli_fit import write_config
+from tests._cli_runs import write_config
 
 STEPS, WARMUP = 6, 2
 

@@ -27,7 +27,7 @@ from qat_app import openpangu  # noqa: E402
 from qat_app.config import QuantConfig, quantize_model  # noqa: E402
 from qat_app.hif8.linear import HiF8Linear  # noqa: E402
 from qat_app.models import load_causal_lm, load_tokenizer  # noqa: E402
-from tests.test_patch import assert_paper_layout  # noqa: E402
+from tests._paper_layout import assert_paper_layout  # noqa: E402
 
 # shared/ lies beside the checkout (as CI lays it out); OPENPANGU_FIXTURE overrides
 FIXTURE = Path(os.environ.get(

@@ -16,13 +16,9 @@ import pytest
 import torch
 
 import main as cli
-from tests.test_cli_fit import write_config
+from tests._cli_runs import SimulatedCrash, write_config
 
 STEPS, WARMUP = 6, 3
-
-
-class SimulatedCrash(RuntimeError):
-    pass
 
 
 class StepRecorder(L.Callback):
@@ -40,17 +36,6 @@ class StepRecorder(L.Callback):
         self.records[(self._step, batch_idx)] = (float(outputs["loss"]), digest)
 
 
-class CrashAt(L.Callback):
-    """Kills the run at the start of optimizer step ``step`` (after the checkpoint of step ``step`` was saved)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise SimulatedCrash(f"simulated node failure at step {self.step}")
-
-
 def _config(tmp_path, model_dir, corpus, *, crash_at=None):
     callbacks = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -58,7 +43,7 @@ def _config(tmp_path, model_dir, corpus, *, crash_at=None):
         {"class_path": "tests.test_resume.StepRecorder"},
     ]
     if crash_at is not None:
-        callbacks.append({"class_path": "tests.test_resume.CrashAt", "init_args": {"step": crash_at}})
+        callbacks.append({"class_path": "tests._cli_runs.CrashAt", "init_args": {"step": crash_at}})
     return write_config(
         tmp_path, model_dir, corpus,
         **{

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import main as cli
-from tests.test_cli_fit import write_config
+from tests._cli_runs import write_config
 
 
 def final_state(trainer) -> dict[str, torch.Tensor]:

@@ -1,12 +1,14 @@
-"""Each a_hat algorithm against a hand-computed history; degenerate amax never breaks the scale."""
+"""Each a_hat algorithm against a hand-computed history (AmaxScaler and the reference of tests/_reference_scaler.py);
+degenerate amax never breaks the scale."""
 
 import math
 
 import pytest
 import torch
 
-from qat_app.hif8.scaler_bank import advance_all, sync_step_amax
+from qat_app.hif8.scaler_bank import ScalerBank, advance_all, sync_step_amax
 from qat_app.hif8.scaling import AmaxScaler
+from tests._reference_scaler import ReferenceScaler
 
 STEP_AMAX = [2.0, 5.0, 3.0, 1.0, 4.0]
 
@@ -33,12 +35,26 @@ def run_steps(scaler: AmaxScaler, amaxes, micro_batches=1):
     ],
 )
 @pytest.mark.parametrize("micro_batches", [1, 4])
-def test_a_hat_follows_the_papers_equations(algo, kwargs, expected, micro_batches):
-    scaler = AmaxScaler(algo=algo, max_val=15.0, **{"history_len": 8, **kwargs})
+@pytest.mark.parametrize("cls", [AmaxScaler, ReferenceScaler])
+def test_a_hat_follows_the_papers_equations(algo, kwargs, expected, micro_batches, cls):
+    scaler = cls(algo=algo, max_val=15.0, **{"history_len": 8, **kwargs})
     a_hats, scales = run_steps(scaler, STEP_AMAX, micro_batches)
     assert a_hats == pytest.approx(expected)
     assert scales == pytest.approx([15.0 / a for a in expected])
     assert scaler.amax_history[: min(5, scaler.history_len)].tolist() == list(reversed(STEP_AMAX))[: scaler.history_len]
+
+
+def test_one_scaler_is_advanced_by_the_banks_code_as_a_bank_of_one():
+    scaler = AmaxScaler(algo="max", history_len=4)
+    run_steps(scaler, [3.0])
+    bank = scaler.bank()
+    assert isinstance(bank, ScalerBank) and bank.scalers == [scaler]
+    assert scaler.scale.data_ptr() == bank.row("scale")[0].data_ptr()  # its buffers are the bank's rows
+    run_steps(scaler, [4.0]), scaler.seed_history(), scaler.discard_step()
+    assert scaler.bank() is bank  # reused while intact
+    scaler._apply(lambda t: t.clone())  # what .to(device) does: the next update stacks again
+    run_steps(scaler, [5.0])
+    assert scaler.bank() is not bank and scaler.amax_history.tolist() == [5.0, 4.0, 3.0, 4.0]  # seeded slot
 
 
 def test_margin_divides_the_scale():

@@ -21,7 +21,7 @@ import lightning as L
 import pytest
 import yaml
 
-from tests.test_cli_fit import write_config
+from tests._cli_runs import write_config
 
 pytestmark = pytest.mark.slow
 

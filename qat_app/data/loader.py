@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
@@ -49,11 +50,78 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
+@dataclass
+class StreamState:
+    """The live position of one consumer's stream; ``to_dict()`` / ``from_dict()`` are the saved format
+    (version 1: the same keys and values checkpoints have always held, so old checkpoints resume)."""
+
+    consumer: int
+    num_consumers: int
+    rng: dict  # the shuffle buffer's numpy bit-generator state
+    config: str  # the fingerprint of the data settings the position is valid for
+    version: int = _STATE_VERSION
+    epoch: int = 0
+    pos: int = 0  # index into this consumer's shard list of the epoch
+    hf_state: dict | None = None  # datasets state of the current shard, after the last batch read
+    in_shard: int = 0  # docs of the current shard read so far
+    shard_nonempty: int = 0  # non-blank docs of the current shard read so far
+    doc_counter: int = 0  # running doc index over the epoch (document-level split)
+    epoch_tokens: int = 0
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # partial-block buffer
+    shuffle: list[np.ndarray] = field(default_factory=list)  # the block shuffle buffer
+    blocks: int = 0  # blocks yielded
+
+    # the saved dictionary's keys, in the order the first version wrote them
+    KEYS = ("version", "consumer", "num_consumers", "epoch", "pos", "hf_state", "in_shard", "shard_nonempty",
+            "doc_counter", "epoch_tokens", "tokens", "shuffle", "rng", "blocks", "config")
+
+    def to_dict(self) -> dict:
+        """The saved form: tensors and JSON strings (loadable with ``torch.load(weights_only=True)``)."""
+        out = {k: getattr(self, k) for k in self.KEYS}
+        out["tokens"] = torch.from_numpy(np.array(self.tokens, dtype=np.int32, copy=True))
+        out["shuffle"] = torch.from_numpy(np.stack(self.shuffle)) if self.shuffle else torch.zeros(0, dtype=torch.int32)
+        out["hf_state"] = None if self.hf_state is None else json.dumps(self.hf_state)
+        out["rng"] = json.dumps(self.rng)
+        return out
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> StreamState:
+        sb = torch.as_tensor(saved["shuffle"]).numpy().astype(np.int32, copy=True)
+        return cls(**{
+            **{k: saved[k] for k in cls.KEYS if k in saved},
+            "tokens": torch.as_tensor(saved["tokens"]).numpy().astype(np.int32, copy=True),
+            "shuffle": [sb[i] for i in range(sb.shape[0])] if sb.ndim == 2 else [],
+            "hf_state": None if saved["hf_state"] is None else json.loads(saved["hf_state"]),
+            "rng": json.loads(saved["rng"]),
+            "config": saved.get("config"),
+        })
+
+    def next_shard(self) -> None:
+        self.pos, self.hf_state, self.in_shard, self.shard_nonempty = self.pos + 1, None, 0, 0
+
+    def next_epoch(self) -> None:
+        self.epoch, self.pos, self.hf_state, self.in_shard, self.shard_nonempty = self.epoch + 1, 0, None, 0, 0
+        self.doc_counter = self.epoch_tokens = 0
+
+
+@dataclass(frozen=True)
+class _Consumer:
+    """Who reads: consumer ``index`` of ``count``; ``by_shards``: shards are split between consumers (else
+    documents are, round robin over each epoch's running document index)."""
+
+    index: int
+    count: int
+    by_shards: bool
+
+
 class PackedBlockStream(IterableDataset):
     """One consumer's stream of packed ``seq_len`` blocks (int64 tensors); stateful (see module doc).
 
     ``state_dict()`` is the live position of the running iterator (or the pending/initial one before
-    iteration); ``load_state_dict()`` takes effect at the next ``iter()``.
+    iteration); ``load_state_dict()`` takes effect at the next ``iter()``. The stream is a few nested
+    generators over one :class:`StreamState`: epochs -> shards -> document batches -> blocks (through the
+    shuffle buffer); the state is consistent at every ``yield``, so resuming from any saved state continues
+    with exactly the blocks (and states) of the uninterrupted stream.
     """
 
     def __init__(
@@ -81,8 +149,8 @@ class PackedBlockStream(IterableDataset):
         self.sep_id = tokenizer.eos_token_id if sep_id is None else sep_id
         if self.sep_id is None:
             raise DataError("the tokenizer has no eos token to separate packed documents")
-        self._pending: dict | None = None
-        self._live: dict | None = None
+        self._pending: StreamState | None = None
+        self._live: StreamState | None = None
         # settings a saved position is only valid for (checked on restore)
         self.fingerprint = json.dumps(
             {
@@ -122,59 +190,20 @@ class PackedBlockStream(IterableDataset):
         return [active[j] for j in rng.permutation(len(active))]
 
     # -- state --
-    def _fresh_state(self, c: int, n: int) -> dict:
-        return {
-            "version": _STATE_VERSION,
-            "consumer": c,
-            "num_consumers": n,
-            "epoch": 0,
-            "pos": 0,  # index into this consumer's shard list of the epoch
-            "hf_state": None,  # datasets state of the current shard
-            "in_shard": 0,  # docs of the current shard read so far
-            "shard_nonempty": 0,  # non-blank docs of the current shard read so far
-            "doc_counter": 0,  # running doc index over the epoch (document-level split)
-            "epoch_tokens": 0,
-            "tokens": np.zeros(0, dtype=np.int32),
-            "shuffle": [],
-            "rng": np.random.default_rng([self.seed, c, n, 0xB10C]).bit_generator.state,
-            "blocks": 0,
-            "config": self.fingerprint,
-        }
-
-    @staticmethod
-    def _export(state: dict) -> dict:
-        out = dict(state)
-        out["tokens"] = torch.from_numpy(np.array(state["tokens"], dtype=np.int32, copy=True))
-        sb = state["shuffle"]
-        out["shuffle"] = torch.from_numpy(np.stack(sb)) if sb else torch.zeros(0, dtype=torch.int32)
-        out["hf_state"] = None if state["hf_state"] is None else json.dumps(state["hf_state"])
-        out["rng"] = json.dumps(state["rng"])
-        return out
-
-    @staticmethod
-    def _import(state: dict) -> dict:
-        out = dict(state)
-        out["tokens"] = torch.as_tensor(state["tokens"]).numpy().astype(np.int32, copy=True)
-        sb = torch.as_tensor(state["shuffle"]).numpy().astype(np.int32, copy=True)
-        out["shuffle"] = [sb[i] for i in range(sb.shape[0])] if sb.ndim == 2 else []
-        out["hf_state"] = None if state["hf_state"] is None else json.loads(state["hf_state"])
-        out["rng"] = json.loads(state["rng"])
-        return out
+    def _fresh_state(self, c: int, n: int) -> StreamState:
+        rng = np.random.default_rng([self.seed, c, n, 0xB10C]).bit_generator.state
+        return StreamState(consumer=c, num_consumers=n, rng=rng, config=self.fingerprint)
 
     def state_dict(self) -> dict:
-        if self._live is not None:
-            return self._export(self._live)
-        if self._pending is not None:
-            return self._export(self._pending)
-        c, n = self._consumer()
-        return self._export(self._fresh_state(c, n))
+        state = self._live or self._pending or self._fresh_state(*self._consumer())
+        return state.to_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
             return
         if state_dict.get("version") != _STATE_VERSION:
             raise CheckpointError(f"unsupported data state version {state_dict.get('version')!r}")
-        self._pending = self._import(state_dict)
+        self._pending = StreamState.from_dict(state_dict)
         self._live = None
 
     # -- iteration --
@@ -182,14 +211,14 @@ class PackedBlockStream(IterableDataset):
         c, n = self._consumer()
         state = self._pending if self._pending is not None else self._fresh_state(c, n)
         self._pending = None
-        if (state["consumer"], state["num_consumers"]) != (c, n):
+        if (state.consumer, state.num_consumers) != (c, n):
             raise CheckpointError(
-                f"data state was saved by consumer {state['consumer']} of {state['num_consumers']} "
+                f"data state was saved by consumer {state.consumer} of {state.num_consumers} "
                 f"(rank x dataloader worker) but is being restored into consumer {c} of {n}: exact resume needs "
                 "the same number of devices and data.num_workers"
             )
-        if state.get("config") != self.fingerprint:
-            saved, now = json.loads(state.get("config") or "{}"), json.loads(self.fingerprint)
+        if state.config != self.fingerprint:
+            saved, now = json.loads(state.config or "{}"), json.loads(self.fingerprint)
             diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
             raise CheckpointError(
                 "the saved data position belongs to different data settings, so it cannot be resumed exactly; "
@@ -202,109 +231,125 @@ class PackedBlockStream(IterableDataset):
 
             fsspec.asyn.reset_lock()
         self._live = state
-        return self._generate(state, c, n)
+        who = _Consumer(c, n, shard_level(len(self.layout.active), n))
+        return self._generate(state, who)
 
-    def _generate(self, st: dict, c: int, n: int) -> Iterator[torch.Tensor]:
-        L_ = self.seq_len
+    def _generate(self, st: StreamState, who: _Consumer) -> Iterator[torch.Tensor]:
+        """Data epochs, one after the other (one, then the buffer's rest, when ``cycle`` is off)."""
         rng = np.random.default_rng()
-        rng.bit_generator.state = st["rng"]
-        active = self.layout.active
-        by_shards = shard_level(len(active), n)
+        rng.bit_generator.state = st.rng
+        # full blocks still in the token buffer of a saved position come first (the uninterrupted stream
+        # emitted them before reading on)
+        yield from self._blocks(st, rng)
         while True:
-            order = self._epoch_order(st["epoch"])
-            mine = order[c::n] if by_shards else order
-            while st["pos"] < len(mine):
-                i = mine[st["pos"]]
-                skip = self.layout.skip.get(i, 0)
-                stop = self.layout.stop.get(i)
-                stopped = False
-                reported = False  # one warning per shard about documents that tokenise to nothing
-                for texts, hf_state in self.source.iter_texts(i, self.doc_batch_size, st["hf_state"]):
-                    keep, keep_idx, empty = [], [], []
-                    for t in texts:
-                        j = st["in_shard"]
-                        if stop is not None and j >= stop:
-                            stopped = True
-                            break
-                        st["in_shard"] = j + 1
-                        if t is not None and t.strip():
-                            st["shard_nonempty"] += 1
-                        if j < skip:
-                            continue
-                        if not by_shards:
-                            k = st["doc_counter"]
-                            st["doc_counter"] = k + 1
-                            if k % n != c:
-                                continue
-                        if t and not t.isspace():
-                            keep.append(t)
-                            keep_idx.append(j)
-                        else:
-                            empty.append(j)
-                    dropped: list[int] = []
-                    parts = encode_documents(self.tokenizer, keep, self.sep_id, dropped)
-                    if (empty or dropped) and not reported:
-                        reported = True
-                        first = min(empty + [keep_idx[d] for d in dropped])
-                        log.warning(
-                            "%s of %s: document %d (0-based) is empty or tokenises to nothing; skipped (further "
-                            "such documents of this shard are skipped without a warning)",
-                            self.source.describe(i), self.source.name, first,
-                        )
-                    if parts:
-                        st["tokens"] = np.concatenate([st["tokens"], *parts])
-                        st["epoch_tokens"] += sum(len(p) for p in parts)
-                    st["hf_state"] = hf_state
-                    # emit full blocks (through the shuffle buffer); state is consistent at each yield
-                    while len(st["tokens"]) >= L_:
-                        block, st["tokens"] = st["tokens"][:L_].copy(), st["tokens"][L_:]
-                        out = self._through_buffer(st, rng, block)
-                        if out is not None:
-                            st["blocks"] += 1
-                            yield torch.from_numpy(out.astype(np.int64))
-                    if stopped:
-                        break
-                if not stopped and st["in_shard"] == 0:
-                    raise self.source.empty_shard_error(i)
-                if not stopped and st["shard_nonempty"] == 0:
-                    raise DataError(
-                        f"{self.source.describe(i)} of {self.source.name}: every document in column "
-                        f"{self.source.text_column!r} is empty; the file yields no training text"
-                    )
-                st.update(pos=st["pos"] + 1, hf_state=None, in_shard=0, shard_nonempty=0)
-            # end of a data epoch for this consumer
-            if st["epoch_tokens"] == 0:
+            order = self._epoch_order(st.epoch)
+            mine = order[who.index :: who.count] if who.by_shards else order
+            while st.pos < len(mine):
+                yield from self._shard(st, rng, mine[st.pos], who)
+                st.next_shard()
+            if st.epoch_tokens == 0:
                 raise DataError(
-                    f"data consumer {c} of {n} (rank x dataloader worker) received no documents in a full pass "
-                    f"over {self.source.name}: too few documents for {n} consumers; lower data.num_workers or "
-                    "add data"
+                    f"data consumer {who.index} of {who.count} (rank x dataloader worker) received no documents in "
+                    f"a full pass over {self.source.name}: too few documents for {who.count} consumers; lower "
+                    "data.num_workers or add data"
                 )
             if not self.cycle:
-                while st["shuffle"]:
-                    j = int(rng.integers(len(st["shuffle"])))
-                    st["shuffle"][j], st["shuffle"][-1] = st["shuffle"][-1], st["shuffle"][j]
-                    out = st["shuffle"].pop()
-                    st["rng"] = rng.bit_generator.state
-                    st["blocks"] += 1
-                    yield torch.from_numpy(out.astype(np.int64))
+                yield from self._drain(st, rng)
                 self._live = None
                 return
-            log.info("data consumer %d/%d: starting data epoch %d (the stream wrapped around)", c, n, st["epoch"] + 1)
-            st.update(epoch=st["epoch"] + 1, pos=0, hf_state=None, in_shard=0, shard_nonempty=0, doc_counter=0)
-            st["epoch_tokens"] = 0
+            log.info("data consumer %d/%d: starting data epoch %d (the stream wrapped around)",
+                     who.index, who.count, st.epoch + 1)
+            st.next_epoch()
 
-    def _through_buffer(self, st: dict, rng: np.random.Generator, block: np.ndarray) -> np.ndarray | None:
-        if self.shuffle_buffer <= 0:
-            return block
-        buf = st["shuffle"]
-        buf.append(block)
-        if len(buf) < self.shuffle_buffer:
-            return None
+    def _shard(self, st: StreamState, rng: np.random.Generator, i: int, who: _Consumer) -> Iterator[torch.Tensor]:
+        """The blocks of shard ``i`` from the state's position in it; checks the shard held some text."""
+        stopped = reported = False  # one warning per shard about documents that tokenise to nothing
+        for texts, hf_state in self.source.iter_texts(i, self.doc_batch_size, st.hf_state):
+            keep, keep_idx, empty, stopped = self._select(st, texts, i, who)
+            reported = self._append(st, i, keep, keep_idx, empty, warn=not reported) or reported
+            st.hf_state = hf_state
+            yield from self._blocks(st, rng)
+            if stopped:
+                return
+        if st.in_shard == 0:
+            raise self.source.empty_shard_error(i)
+        if st.shard_nonempty == 0:
+            raise DataError(
+                f"{self.source.describe(i)} of {self.source.name}: every document in column "
+                f"{self.source.text_column!r} is empty; the file yields no training text"
+            )
+
+    def _select(self, st: StreamState, texts: list, i: int, who: _Consumer) -> tuple[list, list, list, bool]:
+        """This consumer's documents of one batch of shard ``i`` -> (texts, their indices in the shard, indices
+        of the empty ones, whether the shard's training range ended); advances the document counters."""
+        skip, stop = self.layout.skip.get(i, 0), self.layout.stop.get(i)
+        keep, keep_idx, empty = [], [], []
+        for t in texts:
+            j = st.in_shard
+            if stop is not None and j >= stop:
+                return keep, keep_idx, empty, True
+            st.in_shard = j + 1
+            if t is not None and t.strip():
+                st.shard_nonempty += 1
+            if j < skip:
+                continue
+            if not who.by_shards:
+                k, st.doc_counter = st.doc_counter, st.doc_counter + 1
+                if k % who.count != who.index:
+                    continue
+            if t and not t.isspace():
+                keep.append(t)
+                keep_idx.append(j)
+            else:
+                empty.append(j)
+        return keep, keep_idx, empty, False
+
+    def _append(self, st: StreamState, i: int, keep: list, keep_idx: list, empty: list, *, warn: bool) -> bool:
+        """Tokenise the kept documents onto the token buffer -> whether a skipped document was reported."""
+        dropped: list[int] = []
+        parts = encode_documents(self.tokenizer, keep, self.sep_id, dropped)
+        if parts:
+            st.tokens = np.concatenate([st.tokens, *parts])
+            st.epoch_tokens += sum(len(p) for p in parts)
+        if warn and (empty or dropped):
+            first = min(empty + [keep_idx[d] for d in dropped])
+            log.warning(
+                "%s of %s: document %d (0-based) is empty or tokenises to nothing; skipped (further "
+                "such documents of this shard are skipped without a warning)",
+                self.source.describe(i), self.source.name, first,
+            )
+            return True
+        return False
+
+    def _blocks(self, st: StreamState, rng: np.random.Generator) -> Iterator[torch.Tensor]:
+        """Every full block of the token buffer, through the shuffle buffer."""
+        while len(st.tokens) >= self.seq_len:
+            block, st.tokens = st.tokens[: self.seq_len].copy(), st.tokens[self.seq_len :]
+            if self.shuffle_buffer <= 0:
+                yield self._emit(st, block)
+                continue
+            st.shuffle.append(block)
+            if len(st.shuffle) >= self.shuffle_buffer:
+                yield self._emit(st, self._pop_random(st, rng))
+
+    def _drain(self, st: StreamState, rng: np.random.Generator) -> Iterator[torch.Tensor]:
+        """The rest of the shuffle buffer, in random order (the end of a finite stream)."""
+        while st.shuffle:
+            yield self._emit(st, self._pop_random(st, rng))
+
+    @staticmethod
+    def _pop_random(st: StreamState, rng: np.random.Generator) -> np.ndarray:
+        buf = st.shuffle
         j = int(rng.integers(len(buf)))
         buf[j], buf[-1] = buf[-1], buf[j]
         out = buf.pop()
-        st["rng"] = rng.bit_generator.state
+        st.rng = rng.bit_generator.state
         return out
+
+    @staticmethod
+    def _emit(st: StreamState, block: np.ndarray) -> torch.Tensor:
+        st.blocks += 1
+        return torch.from_numpy(block.astype(np.int64))
 
 
 class RankedStatefulDataLoader(StatefulDataLoader):

@@ -12,7 +12,8 @@ One concept per module (import them directly; this package imports nothing itsel
   batch built from them, the packed attention mask and reading the targets' log-probabilities back;
 * :mod:`~qat_app.eval.dataset` -- tokenisation as lm-eval's HFLM does it, and the per-task dataset;
 * :mod:`~qat_app.eval.metric` -- the DDP-correct accuracy metric;
-* :mod:`~qat_app.eval.evaluator` -- forward, scoring, the evaluator, per-example records, a plain ``evaluate`` loop.
+* :mod:`~qat_app.eval.evaluator` -- forward, scoring, the evaluator, a plain ``evaluate`` loop;
+* :mod:`~qat_app.eval.records` -- the per-example records of an evaluation, written as JSON lines.
 
 The Lightning DataModule is :class:`qat_app.data.benchmarks.BenchmarkDataModule`.
 """

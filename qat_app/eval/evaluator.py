@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from qat_app.eval.layout import choice_logliks, packed_attention_mask, target_logprobs
-from qat_app.eval.metric import MAX_RECORDED_CHOICES, MultipleChoiceMetric, ScoredBatch
+from qat_app.eval.metric import MultipleChoiceMetric, ScoredBatch
 from qat_app.eval.mmlu import MMLU_CATEGORIES, MMLU_SUBJECT_CATEGORIES, MMLU_SUBJECTS
 from qat_app.eval.tasks import TASK_NAMES
 
@@ -208,44 +208,6 @@ def _mmlu_breakdown(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
         if total > 0:
             results[f"mmlu_{category}/acc"] = correct[members].sum() / total
     return results
-
-
-def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list | None, step: int) -> list[dict]:
-    """JSON-ready rows, one per example: task, doc_id (the doc's index in its split, as lm-eval's samples
-    count it; for MMLU within its subject), subject, gold, per-choice log-likelihoods, both predictions
-    and whether each is correct. ``examples``: the datamodule's rendered examples, by example id."""
-    columns = {key: value.cpu().tolist() for key, value in records.items()}
-    rows = []
-    for i, example_id in enumerate(columns["example_id"]):
-        example = examples[example_id] if examples is not None else None
-        choices = len(example.choices) if example is not None else MAX_RECORDED_CHOICES
-        rows.append({
-            "task": task,
-            "doc_id": example.doc_index if example is not None else example_id,
-            "subject": example.subject if example is not None else None,
-            "example_id": example_id,
-            "gold": columns["gold"][i],
-            "loglik": [v for v in columns["loglik"][i][:choices] if v != float("-inf")],
-            "pred": columns["pred"][i],
-            "pred_norm": columns["pred_norm"][i],
-            "acc": int(columns["acc"][i]),
-            "acc_norm": int(columns["acc_norm"][i]),
-            "step": step,
-        })
-    return rows
-
-
-def write_records(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
-    """One JSON object per line, written to a temporary file and renamed (never a half-written file)."""
-    import json
-    import os
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
 def move_batch(batch: Mapping[str, Any], device: torch.device | str) -> dict[str, Any]:

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from ..errors import QATError
+from ..hif8.quantized import SCALER_NAMES  # noqa: F401  (the scalers' state keys, as the export names them)
 
 LAYOUT_FILE = "hif8_layout.json"
 WEIGHTS_FILE = "model.hif8.safetensors"
 LAYOUT_FORMAT = "qat_app/hif8-checkpoint"
 LAYOUT_VERSION = 1
 HF_EXPORT_INFO = "qat_app_export.json"
-SCALER_NAMES = ("input_scaler", "weight_scaler", "grad_scaler")
 # entries every layout has
 LAYOUT_KEYS = ("weights_file", "quant", "quantized_layers", "tensors", "aliases", "model_dtype")
 

@@ -21,7 +21,7 @@ def load_qat_checkpoint(path: str | os.PathLike):
     path = str(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist (--ckpt)")
-    # the hyper-parameters hold a QuantConfig object: a full (not weights-only) unpickling is needed
+    # checkpoints of older mains pickled a QuantConfig object in the hyper-parameters: a full unpickling
     ckpt = load_checkpoint_file(path, weights_only=False)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
@@ -35,9 +35,8 @@ def load_qat_checkpoint(path: str | os.PathLike):
         )
     accepted = set(inspect.signature(QATModule.__init__).parameters) - {"self"}
     kwargs = {k: v for k, v in dict(hparams).items() if k in accepted}
-    quant = kwargs.get("quant")
-    if quant is not None and not isinstance(quant, QuantConfig):
-        kwargs["quant"] = QuantConfig(**(vars(quant) if hasattr(quant, "__dict__") else dict(quant)))
+    if kwargs.get("quant") is not None:  # a plain dict (today), or an older main's pickled QuantConfig
+        kwargs["quant"] = QuantConfig.coerce(kwargs["quant"])
     module = QATModule(**kwargs)
     try:
         module.load_state_dict(state, strict=True)

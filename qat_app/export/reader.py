@@ -13,35 +13,21 @@ from ..config import QuantConfig
 from ..hif8.experts import HiF8Experts, is_fused_experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
-from ..hif8.patch import _set_submodule, quantized_linears
+from ..hif8.patch import _set_submodule
+from ..hif8.quantized import QuantizedMatmul
 from ..models import resolve_dtype
 from .layout import LAYOUT_FILE, ROLE_BUFFER, ROLE_CODES, ROLE_SCALE, ExportError, read_layout, read_weights
 
 class HiF8ExportedLinear(HiF8Linear):
     """A ``HiF8Linear`` loaded from an 8-bit export; its weight holds ``decode(codes) / scale``.
 
-    In eval mode, while the weight is the loaded one (moving the model to another device or dtype keeps
-    it; any in-place change or a new parameter does not), the forward pass uses it directly, cast to the
-    compute dtype, which is exactly the fake-quantized weight of the exported QAT model. Otherwise
-    (training mode, or a changed weight) it behaves as ``HiF8Linear``.
+    :func:`load_hif8` marks the weight (:meth:`~qat_app.hif8.quantized.QuantizedMatmul.mark_exported`, the one
+    exported-weight hook of every quantized matmul, MoE experts' projections included): in eval mode, while
+    the weight is the loaded one (moving the model to another device or dtype keeps it; any in-place change
+    or a new parameter does not), the forward pass uses it directly, cast to the compute dtype, which is
+    exactly the fake-quantized weight of the exported QAT model. Otherwise (training mode, or a changed
+    weight) it behaves as ``HiF8Linear``.
     """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._exported_key: tuple | None = None
-
-    # (parameter identity, in-place version): survives .to(device/dtype), changes with any in-place update
-    def mark_exported(self) -> None:
-        self._exported_key = (id(self.weight), self.weight._version)
-
-    @property
-    def uses_exported_weight(self) -> bool:
-        return self._exported_key == (id(self.weight), self.weight._version)
-
-    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype):
-        if self.quantize_weights and not self.training and self._exported_key == (id(weight), weight._version):
-            return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
-        return super().quantized_weight(weight, dtype)
 
 
 def _build_model(out_dir: Path, layout: dict, dtype, trust_remote_code: bool | None) -> nn.Module:
@@ -161,6 +147,22 @@ def _restore_buffers(model: nn.Module, layout: dict, tensors: dict[str, torch.Te
         module._buffers[buffer] = tensors[key]
 
 
+def _exported_weights(model: nn.Module, layout: dict) -> list[tuple[QuantizedMatmul, torch.Tensor]]:
+    """(quantized matmul, the weight its forward passes) for every weight stored as codes: dense linears and
+    every expert's slice of a fused parameter (a weight stored dense is quantized as usual)."""
+    pairs = []
+    for name, record in layout["quantized_layers"].items():
+        if record.get("weight") == "codes":
+            layer = model.get_submodule(name)
+            pairs.append((layer, layer.weight))
+    for name, record in layout.get("quantized_experts", {}).items():
+        experts = model.get_submodule(name)
+        for param, entry in record["params"].items():
+            if entry.get("weight") == "codes":
+                pairs.extend(experts.projections(param))
+    return pairs
+
+
 def _restore_scaler_flags(model: nn.Module, layout: dict) -> None:
     """The host-side ``has_history`` flag of every scaler (not in the state dict)."""
     records = dict(layout["quantized_layers"])
@@ -203,15 +205,7 @@ def load_hif8(
     _restore_buffers(model, layout, tensors, layout_path)
     _restore_scaler_flags(model, layout)
     model.to(device)
-    for _, layer in quantized_linears(model):
-        if isinstance(layer, HiF8ExportedLinear):
-            layer.mark_exported()
-    for name, record in layout.get("quantized_experts", {}).items():
-        experts = model.get_submodule(name)
-        experts.mark_exported()
-        for param, proj in (("gate_up_proj", experts.gate_up), ("down_proj", experts.down)):
-            if record["params"].get(param, {}).get("weight") != "codes":  # dense: quantized as usual
-                for projection in proj:
-                    projection._exported_key = None
+    for layer, weight in _exported_weights(model, layout):
+        layer.mark_exported(weight)
     model.eval()
     return model

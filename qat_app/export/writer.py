@@ -16,7 +16,6 @@ from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import quantized_linears
-from ..hif8.scaling import AmaxScaler
 from ..models import resolve_dtype
 from .common import StagingDir, quant_of, same, save_model_files, unwrap
 from .layout import (LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE, ROLE_OTHER,
@@ -44,7 +43,7 @@ def _quantize_tensor(weight: torch.Tensor, owner, dtype: torch.dtype) -> tuple[t
 
 
 # a fused experts parameter and the per-expert projections that quantize its slices
-EXPERT_PARAMS = (("gate_up_proj", "gate_up"), ("down_proj", "down"))
+EXPERT_PARAMS = HiF8Experts.PARAMS
 
 
 @torch.no_grad()
@@ -53,15 +52,9 @@ def quantize_experts_param(experts: HiF8Experts, param: str, compute_dtype: torc
     """One fused parameter of an MoE experts module (``gate_up_proj`` or ``down_proj``) as the QAT forward
     pass quantizes it, expert by expert (each with its own weight scaler) -> (uint8 codes ``[E, ...]``,
     float32 scales ``[E]``, dequantized ``[E, ...]`` in ``compute_dtype``)."""
-    weight = getattr(experts, param)
-    projections = getattr(experts, dict(EXPERT_PARAMS)[param])
-    dtype = compute_dtype or weight.dtype
-    codes, scales, dequantized = zip(*(_quantize_tensor(weight[e], proj, dtype) for e, proj in enumerate(projections)))
+    dtype = compute_dtype or getattr(experts, param).dtype
+    codes, scales, dequantized = zip(*(_quantize_tensor(weight, proj, dtype) for proj, weight in experts.projections(param)))
     return torch.stack(codes), torch.stack(scales), torch.stack(dequantized)
-
-
-def _scaler_pairs(layer: HiF8Linear) -> list[tuple[str, AmaxScaler]]:
-    return [(n, getattr(layer, n)) for n in SCALER_NAMES if getattr(layer, n, None) is not None]
 
 
 class _Tensors:
@@ -108,7 +101,7 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
         "weight_dtype": dtype_name(layer.weight.dtype),
         "compute_dtype": dtype_name(layer_dtype),
         "extra_state": layer.get_extra_state(),
-        "has_history": {s: scaler.has_history for s, scaler in _scaler_pairs(layer)},
+        "has_history": {s: scaler.has_history for s, scaler in layer.named_scalers()},
     }
     if not layer.quantize_weights:
         log.warning("%s: weight quantization is off (exported inside the BF16 warmup?): stored in %s", name, storage_dtype)
@@ -148,7 +141,7 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
                 raise ExportError(f"{name}.{proj_name}.{e}: another format than {name}.gate_up.0")
             record["projections"][f"{proj_name}.{e}"] = {
                 "extra_state": proj.get_extra_state(),
-                "has_history": {s: scaler.has_history for s, scaler in _scaler_pairs(proj)},
+                "has_history": {s: scaler.has_history for s, scaler in proj.named_scalers()},
             }
         entry: dict[str, Any] = {"shape": list(weight.shape)}
         switches = {bool(proj.quantize_weights) for proj in projections}

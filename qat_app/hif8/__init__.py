@@ -2,7 +2,8 @@
 
 Layers: :mod:`.formats` (HiF8, E4M3, E5M2 rounding and codes) -> :mod:`.backends` (fake quantization:
 reference, torch.compile, Triton) -> :mod:`.scaling` (a tensor's amax history and scale) and
-:mod:`.scaler_bank` (all of them stacked, one batched update) -> :mod:`.linear` (HiF8Linear) ->
+:mod:`.scaler_bank` (all of them stacked, one batched update) -> :mod:`.quantized` (the quantized
+matmul: scalers, plan, autograd function, export hook) -> :mod:`.linear` (HiF8Linear), :mod:`.experts` ->
 :mod:`.patch` (which linears) -> :mod:`.training` (the per-step protocol). Configuration:
 :mod:`.recipe` (frozen ``HiF8Recipe``, ``LayerSelection``, ``RuntimeOptions``).
 """

@@ -12,11 +12,13 @@ cannot take a per-expert fake quantization), so outputs equal the unquantized mo
 ``_experts_implementation="eager"``. Routers and gates are not touched (they stay in high precision). An expert that no token reached
 in a step observes nothing, so its history is left alone (the step is not recorded for it).
 
-Everything else is as for :class:`~qat_app.hif8.linear.HiF8Linear` (the projections reuse its weight
-quantization, its autograd function and switches), so the warmup switch, the saturation counters, the
-batched scaler update and checkpoints cover the experts too. The 8-bit export stores each fused parameter
-as per-expert uint8 codes + scales; its reader marks the projections (:meth:`HiF8Experts.mark_exported`)
-so that in eval mode they use the loaded ``decode(codes) / scale`` weights as they are.
+Everything else is as for :class:`~qat_app.hif8.linear.HiF8Linear`: both are a
+:class:`~qat_app.hif8.quantized.QuantizedMatmul` (the same scalers, weight quantization, plan, autograd
+function and switches), so the warmup switch, the saturation counters, the batched scaler update and
+checkpoints cover the experts too. The 8-bit export stores each fused parameter as per-expert uint8 codes
++ scales; its reader marks each projection's weight slice (:meth:`QuantizedMatmul.mark_exported
+<qat_app.hif8.quantized.QuantizedMatmul.mark_exported>`, through :meth:`HiF8Experts.mark_exported`) so that
+in eval mode they use the loaded ``decode(codes) / scale`` weights as they are.
 """
 
 from __future__ import annotations
@@ -24,51 +26,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import HiF8Linear, _compute_dtype, _HiF8LinearFunction, init_quantization
+from .quantized import QuantizedMatmul
 from .recipe import HiF8Recipe, RuntimeOptions
 
 
-class QuantizedProjection(nn.Module):
+class QuantizedProjection(QuantizedMatmul):
     """The quantization state of one matmul whose weight lives elsewhere (one expert's slice of a fused
     parameter): scalers, switches, the weight-code cache. ``project(x, weight)`` is ``x @ weight.T``, W8A8."""
 
     def __init__(self, recipe: HiF8Recipe, runtime: RuntimeOptions, device=None) -> None:
         super().__init__()
-        init_quantization(self, recipe, runtime, device)
-
-    # the same weight quantization, switches and state as HiF8Linear (shared code, not a copy)
-    _exported_key: tuple | None = None  # set by the 8-bit export's reader (mark_exported)
-
-    @staticmethod
-    def _weight_key(weight: torch.Tensor) -> tuple:
-        """(fused parameter identity, its in-place version, this expert's slice): survives .to(device/dtype),
-        changes with any in-place update of the parameter or a new parameter."""
-        base = weight._base if weight._base is not None else weight
-        return id(base), base._version, weight.storage_offset(), tuple(weight.shape)
-
-    def mark_exported(self, weight: torch.Tensor) -> None:
-        """The export hook: ``weight`` (this expert's slice) already holds ``decode(codes) / scale``; in eval mode,
-        while it is unchanged, it is used as it is (in training mode or once changed: quantized as usual)."""
-        self._exported_key = self._weight_key(weight)
-
-    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype):
-        if (self._exported_key is not None and self.quantize_weights and not self.training
-                and self._exported_key == self._weight_key(weight)):
-            return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
-        return HiF8Linear.quantized_weight(self, weight, dtype)
-
-    _passes_gradient = HiF8Linear._passes_gradient
-    release_weight_cache = HiF8Linear.release_weight_cache
-    scalers = HiF8Linear.scalers
-    get_extra_state = HiF8Linear.get_extra_state
-    _plan = HiF8Linear._plan
-    set_extra_state = HiF8Linear.set_extra_state
+        self.init_quantization(recipe, runtime, device)
 
     def project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(x)
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            w_saved, w_scale, w_mask = self.quantized_weight(weight, dtype)
-        return _HiF8LinearFunction.apply(x, weight, None, w_saved, w_scale, w_mask, self._plan(dtype))
+        return self.quantized_matmul(x, weight)
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -109,12 +80,20 @@ class HiF8Experts(nn.Module):
             final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
         return final_hidden_states
 
-    def mark_exported(self) -> None:
-        """The 8-bit export's reader: every expert's weights hold ``decode(codes) / scale`` (see
-        :meth:`QuantizedProjection.mark_exported`)."""
-        for e in range(self.num_experts):
-            self.gate_up[e].mark_exported(self.gate_up_proj[e])
-            self.down[e].mark_exported(self.down_proj[e])
+    # a fused parameter and the projections that quantize its slices, expert by expert
+    PARAMS = (("gate_up_proj", "gate_up"), ("down_proj", "down"))
+
+    def projections(self, param: str) -> list[tuple[QuantizedProjection, torch.Tensor]]:
+        """(projection, the weight slice its forward passes) of every expert, for ``gate_up_proj`` or ``down_proj``."""
+        weight, projections = getattr(self, param), getattr(self, dict(self.PARAMS)[param])
+        return [(projections[e], weight[e]) for e in range(self.num_experts)]
+
+    def mark_exported(self, params: tuple[str, ...] = ("gate_up_proj", "down_proj")) -> None:
+        """The 8-bit export's reader: every expert's slices of ``params`` hold ``decode(codes) / scale`` (see
+        :meth:`~qat_app.hif8.quantized.QuantizedMatmul.mark_exported`)."""
+        for param in params:
+            for projection, weight in self.projections(param):
+                projection.mark_exported(weight)
 
     def to_float(self) -> nn.Module:
         """The original experts module (it shares the trained parameters)."""

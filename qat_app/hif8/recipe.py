@@ -50,26 +50,32 @@ def _fail(field: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class HiF8Recipe:
-    """Attributes:
+    """The numerics: how weights and activations are scaled and rounded.
+
+    Attributes:
         format: 8-bit format of weights and activations: ``hif8``, ``e4m3`` or ``e5m2``.
-        amax_algo: ``most_recent`` (a_hat(t)=amax(t-1)), ``exp_smooth`` (alpha*amax(t-1)+(1-alpha)*a_hat(t-1)),
-            ``max`` (max over the last ``history_len`` steps) or ``current`` (CTS: the tensor's own amax).
+        amax_algo: how a_hat is estimated: ``most_recent`` (a_hat(t)=amax(t-1)), ``exp_smooth``
+            (alpha*amax(t-1)+(1-alpha)*a_hat(t-1)), ``max`` (max over the last ``history_len`` steps) or
+            ``current`` (CTS: the current tensor's own amax).
         history_len: H, the amax-history length in optimizer steps (the window of ``max``).
-        alpha: weight of the newest amax for ``exp_smooth``.
-        max_val: where a_hat is mapped to, s = max_val / a_hat; None: the format's default (HiF8: 15).
+        alpha: weight of the newest amax for ``exp_smooth``; the paper leaves it open, 0.1 is our choice.
+        max_val: where a_hat is mapped to, s = max_val / a_hat; None: the format's default (HiF8: 15, the top
+            of the 3-bit-mantissa tier).
         margin: extra headroom, s = max_val / a_hat / 2**margin (TransformerEngine's margin).
-        ste: ``identity`` (straight-through, the paper's) or ``clipped`` (zero gradient where clipped).
+        ste: ``identity`` (straight-through, the paper's) or ``clipped`` (zero gradient where the forward
+            saturated).
         quantize_grads: also fake-quantize the output gradient in backward (own scaler).
-        grad_max_val / grad_stochastic_rounding: the gradient quantizer (224, stochastic, as in MindSpeed).
+        grad_max_val: max_val of the gradient quantizer (224, as in MindSpeed).
+        grad_stochastic_rounding: round gradients stochastically (hif8 only).
     """
 
     format: str = "hif8"
-    amax_algo: Literal["most_recent", "exp_smooth", "max", "current"] = "max"
+    amax_algo: Literal[AMAX_ALGOS] = "max"
     history_len: int = 64
     alpha: float = 0.1
     max_val: Optional[float] = None
     margin: float = 0.0
-    ste: Literal["identity", "clipped"] = "identity"
+    ste: Literal[STE_MODES] = "identity"
     quantize_grads: bool = False
     grad_max_val: float = 224.0
     grad_stochastic_rounding: bool = True
@@ -102,7 +108,9 @@ class HiF8Recipe:
 
 @dataclass(frozen=True)
 class LayerSelection:
-    """Attributes:
+    """Which linears are quantized.
+
+    Attributes:
         module_pattern: regex on the full module name selecting the linears to quantize.
         block_pattern: regex whose first group is the decoder-block index in a module name.
         high_precision_layers: k; the first ceil(k/2) and last floor(k/2) blocks stay unquantized.
@@ -128,14 +136,19 @@ class LayerSelection:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """Attributes:
-        fused: ``auto`` (the fastest backend that works here), ``on`` (required), ``off`` (plain torch);
-            identical results.
-        save_8bit_activations: keep the quantized input for backward as uint8 codes plus the scale.
-        quantize_weights / quantize_activations: the switches a converted layer starts with.
+    """How it runs, not what it computes.
+
+    Attributes:
+        fused: ``auto`` compiles the fake-quant kernels (torch.compile, or Triton on a GPU) where a compiler
+            works, ``on`` requires it, ``off`` runs plain torch; identical results.
+        save_8bit_activations: keep the quantized input for backward as uint8 codes plus the scale instead
+            of a full-precision tensor (same gradients, a quarter/half the memory).
+        quantize_weights: the weight switch a converted layer starts with (the BF16 warmup drives it during
+            fit; observers record amax either way).
+        quantize_activations: the activation switch a converted layer starts with (likewise).
     """
 
-    fused: Literal["auto", "on", "off"] = "auto"
+    fused: Literal[FUSED_MODES] = "auto"
     save_8bit_activations: bool = True
     quantize_weights: bool = True
     quantize_activations: bool = True

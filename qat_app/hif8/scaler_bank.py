@@ -8,10 +8,12 @@ experts). Advancing them one by one costs ~50 tiny tensor ops each; here every s
 update, torchao's stacked delayed-scaling histories).
 
 Nothing changes for the rest of the code: each scaler still *has* its buffers (views), so the forward
-observes into them as before, ``state_dict`` and checkpoints keep the per-layer layout (older checkpoints
-load unchanged, into the views), and :meth:`AmaxScaler.advance` still works on one scaler. The bank only
-exists while the views do: ``model.to(...)`` replaces buffers, and the next batched call notices (a
-cheap identity check) and stacks again. The batched update is bit-identical to advancing each scaler.
+observes into them as before, and ``state_dict`` and checkpoints keep the per-layer layout (older checkpoints
+load unchanged, into the views). This is the one implementation of the update: :meth:`AmaxScaler.advance`,
+``seed_history`` and ``discard_step`` run it on a bank of one, so a scaler advanced alone and one advanced with
+the whole model get the same bits (tests/_reference_scaler.py is the readable per-scaler definition both are
+tested against). The bank only exists while the views do: ``model.to(...)`` replaces buffers, and the next
+batched call notices (a cheap identity check) and stacks again.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from typing import TYPE_CHECKING
+
 from .fake_quant import compute_scale
-from .scaling import AmaxScaler, _data_parallel
+
+if TYPE_CHECKING:  # the scaler imports the bank (its advance is a bank of one)
+    from .scaling import AmaxScaler
 
 # Row order matters: the step accumulators come first in each matrix, so one slice zeroes them.
 F32_ROWS = ("step_amax", "step_seen", "step_clipped_anywhere", "a_hat", "scale", "last_amax", "last_a_hat",
@@ -31,6 +37,10 @@ I64_ROWS = ("step_clipped", "step_numel", "steps_recorded", "last_clipped", "las
             "total_numel", "saturation_events", "quantized_steps")
 _F = {name: i for i, name in enumerate(F32_ROWS)}
 _I = {name: i for i, name in enumerate(I64_ROWS)}
+
+
+def _data_parallel(group=None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 class ScalerBank:
@@ -86,7 +96,8 @@ class ScalerBank:
 
     @torch.no_grad()
     def advance(self) -> None:
-        """:meth:`AmaxScaler.advance` for every row at once (same ops, same bits)."""
+        """Close one optimizer step of every row: push its amax into the history (a valid one: finite, and the
+        tensor was seen), record the step's telemetry, compute the next a_hat and scale (see :mod:`.scaling`)."""
         f, i, history = self.f32, self.i64, self.history
         amax, seen, anywhere = f[0], f[1], f[2]
         a_hat, scale = f[_F["a_hat"]], f[_F["scale"]]
@@ -129,7 +140,8 @@ class ScalerBank:
 
     @torch.no_grad()
     def seed_history(self) -> None:
-        """:meth:`AmaxScaler.seed_history` for every row at once."""
+        """End of the BF16 warmup: the window slots not yet recorded take the largest amax recorded so far
+        (so the first quantized step sees a full window), then a_hat and the scale follow."""
         history, recorded_steps = self.history, self.row("steps_recorded")
         slots = torch.arange(self.history_len, device=history.device)
         recorded = slots[None, :] < recorded_steps[:, None]

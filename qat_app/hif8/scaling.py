@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fake_quant import FakeQuantResult, compute_scale, fake_quantize, fake_quantize_current
+from .fake_quant import FakeQuantResult, fake_quantize, fake_quantize_current
 from .formats import Float8Format
 from .recipe import AMAX_ALGOS
+from .scaler_bank import ScalerBank, _data_parallel
 
 
 class AmaxScaler(nn.Module):
@@ -122,74 +123,28 @@ class AmaxScaler(nn.Module):
             self.step_numel.add_(numel)
         self.observed_this_step = True
 
-    @torch.no_grad()
-    def _estimate(self, history: torch.Tensor, amax: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        if self.algo == "max":
-            return history.max()
-        if self.algo == "exp_smooth":
-            smoothed = self.alpha * amax + (1.0 - self.alpha) * self.a_hat
-            return torch.where(first, amax, smoothed)
-        return history[0]  # most_recent; for current: what it saw last, for logging and fallback
+    # The per-step update is the bank's batched code (:mod:`.scaler_bank`), run on a bank of one: a single
+    # implementation, bit-identical whether a scaler is advanced alone or with every other scaler of the model.
+    def bank(self) -> ScalerBank:
+        """This scaler as a bank of one (its buffers become views into the bank's rows; reused while intact)."""
+        bank = self.__dict__.get("_bank")
+        return bank if bank is not None and bank.intact([self]) else ScalerBank([self])
 
-    @torch.no_grad()
     def advance(self) -> None:
         """Close one optimizer step: push its amax into the history and compute the next a_hat/scale."""
-        amax = self.step_amax
-        valid = torch.isfinite(amax) & (self.step_seen > 0)
-        first = self.steps_recorded == 0
-        pushed = torch.cat([amax.view(1), self.amax_history[:-1]])
-        history = torch.where(valid, pushed, self.amax_history)
-        self.amax_history.copy_(history)
-        self.last_amax.copy_(amax)
-        # the estimate this step was quantized with: its own amax under current scaling
-        self.last_a_hat.copy_(amax if self.uses_current_scaling else self.a_hat)
-        self.last_clipped.copy_(self.step_clipped)
-        self.last_numel.copy_(self.step_numel)
-        self.total_clipped.add_(self.step_clipped)
-        self.total_numel.add_(self.step_numel)
-        quantized = self.step_numel > 0
-        self.saturation_events.add_(((self.step_clipped > 0) | (self.step_clipped_anywhere > 0)).long())
-        self.quantized_steps.add_(quantized.long())
-        headroom = torch.where(quantized & valid & (amax > 0), self.last_a_hat / amax, math.inf)
-        self.last_headroom.copy_(headroom)
-        torch.minimum(self.min_headroom, headroom, out=self.min_headroom)
-        self.a_hat.copy_(torch.where(valid, self._estimate(history, amax, first), self.a_hat))
-        self.steps_recorded.add_(valid.long())
-        self.scale.copy_(compute_scale(self.a_hat, self.max_val, self.margin, self.scale))
-        self.discard_step()
-        if not self.has_history:
-            # delayed scaling starts with the first *recorded* step (a step that saw no valid amax
-            # leaves the scale at its initial 1.0): one sync per step, only until that happens
-            self.has_history = bool(self.steps_recorded > 0)
-        self.version += 1
+        self.bank().advance()
 
-    @torch.no_grad()
     def discard_step(self) -> None:
         """Forget this step's observations without touching the history (e.g. a skipped step)."""
-        self.step_amax.zero_()
-        self.step_seen.zero_()
-        self.step_clipped.zero_()
-        self.step_numel.zero_()
-        self.step_clipped_anywhere.zero_()
-        self.observed_this_step = False
+        self.bank().discard()
 
-    @torch.no_grad()
     def seed_history(self) -> None:
         """Fill the window slots not yet recorded with the largest amax recorded so far.
 
         Called at the end of the BF16 warmup so the first quantized step already sees a full
         window even when the warmup was shorter than ``history_len``.
         """
-        slots = torch.arange(self.history_len, device=self.amax_history.device)
-        recorded = slots < self.steps_recorded
-        seen_max = torch.where(recorded, self.amax_history, torch.zeros_like(self.amax_history)).max()
-        self.amax_history.copy_(torch.where(recorded, self.amax_history, seen_max))
-        if self.algo == "max":
-            self.a_hat.copy_(self.amax_history.max())
-        elif self.algo in ("most_recent", "current"):
-            self.a_hat.copy_(self.amax_history[0])
-        self.scale.copy_(compute_scale(self.a_hat, self.max_val, self.margin, self.scale))
-        self.version += 1
+        self.bank().seed_history()
 
     # buffers added after checkpoints were first written: (name, value for a run that predates them)
     LATER_BUFFERS = (("quantized_steps", 0), ("last_headroom", math.inf), ("min_headroom", math.inf))
@@ -206,10 +161,6 @@ class AmaxScaler(nn.Module):
 
 def all_scalers(model: nn.Module) -> list[AmaxScaler]:
     return [m for m in model.modules() if isinstance(m, AmaxScaler)]
-
-
-def _data_parallel(group=None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 @torch.no_grad()

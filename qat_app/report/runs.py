@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import QATError
+from ..eval.records import SAMPLES_DIR  # where the training run writes its per-example records
 
 
 METRICS_FILE = "metrics.csv"
 SUMMARY_FILE = "saturation_summary.json"
 CONFIG_FILE = "config.yaml"
-SAMPLES_DIR = "benchmark_samples"
 _VERSION_RE = re.compile(r"^version_(\d+)$")
 _SAMPLES_RE = re.compile(r"^(val|test)_step(\d+)\.jsonl$")
 PRECISION_NAMES = {"32-true": "fp32", "32": "fp32", "64-true": "fp64", "64": "fp64", "bf16-mixed": "BF16",

@@ -1,4 +1,5 @@
-"""Log-likelihood scoring and DDP-correct benchmark metrics."""
+"""qat_app.eval.evaluator: log-likelihood scoring (``score_batch``), ``BenchmarkEvaluator`` / ``evaluate`` and the
+DDP-correct metric it keeps per task (qat_app.eval.metric)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from qat_app.eval.evaluator import BenchmarkEvaluator, BenchmarkValidationModule
 from qat_app.eval.layout import BenchmarkCollator, TokenizedExample, layout_rows
 from qat_app.eval.metric import MultipleChoiceMetric
 from qat_app.eval.mmlu import MMLU_SUBJECTS
-from tests.test_benchmarks import byte_level_tokenizer
+from tests._tiny_models import byte_level_tokenizer
 
 
 class BigramLM(nn.Module):

@@ -1,4 +1,5 @@
-"""The Triton HiF8 fake-quant kernel must match the plain-torch reference bit for bit.
+"""qat_app.hif8.backends: the Triton HiF8 fake-quant kernel must match the plain-torch reference bit for bit,
+and the backend resolution picks it only where it applies.
 
 Runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set per test), and also on
 CUDA tensors with the compiled kernel when a GPU is present. Skips (with the reason) when triton is

@@ -1,0 +1,79 @@
+"""Per-example benchmark records: one JSON line per scored example, for paired statistics in the report.
+
+Written by :func:`write_benchmark_records` (from :class:`qat_app.module.QATModule` at the end of each
+validation / test epoch) to ``<log_dir>/benchmark_samples/<val|test>_step<NNNNNNN>.jsonl``; read by
+:mod:`qat_app.report` (which imports :data:`SAMPLES_DIR` from here). Light on purpose: the report imports this
+module without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+SAMPLES_DIR = "benchmark_samples"  # per-example benchmark records, in the logger's directory
+
+
+def records_path(log_dir: str, prefix: str, step: int) -> str:
+    """``<log_dir>/benchmark_samples/<prefix>_step<NNNNNNN>.jsonl``."""
+    return os.path.join(log_dir, SAMPLES_DIR, f"{prefix}_step{step:07d}.jsonl")
+
+
+def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list | None, step: int) -> list[dict]:
+    """JSON-ready rows, one per example: task, doc_id (the doc's index in its split, as lm-eval's samples
+    count it; for MMLU within its subject), subject, gold, per-choice log-likelihoods, both predictions
+    and whether each is correct. ``examples``: the datamodule's rendered examples, by example id."""
+    from qat_app.eval.metric import MAX_RECORDED_CHOICES
+
+    columns = {key: value.cpu().tolist() for key, value in records.items()}
+    rows = []
+    for i, example_id in enumerate(columns["example_id"]):
+        example = examples[example_id] if examples is not None else None
+        choices = len(example.choices) if example is not None else MAX_RECORDED_CHOICES
+        rows.append({
+            "task": task,
+            "doc_id": example.doc_index if example is not None else example_id,
+            "subject": example.subject if example is not None else None,
+            "example_id": example_id,
+            "gold": columns["gold"][i],
+            "loglik": [v for v in columns["loglik"][i][:choices] if v != float("-inf")],
+            "pred": columns["pred"][i],
+            "pred_norm": columns["pred_norm"][i],
+            "acc": int(columns["acc"][i]),
+            "acc_norm": int(columns["acc_norm"][i]),
+            "step": step,
+        })
+    return rows
+
+
+def write_records(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
+    """One JSON object per line, written to a temporary file and renamed (never a half-written file)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def write_benchmark_records(records: Mapping[str, Mapping[str, torch.Tensor]], datamodule, log_dir: str,
+                            prefix: str, step: int) -> str:
+    """Write the evaluator's ``records`` (by task; :meth:`BenchmarkEvaluator.compute_with_records`) of one
+    evaluation at optimizer ``step``, with each example's doc id and subject from the benchmark
+    ``datamodule`` (when it renders ``examples(task)``), to :func:`records_path`; returns the path."""
+    rows = []
+    for task, task_records in records.items():
+        examples = datamodule.examples(task) if hasattr(datamodule, "examples") else None
+        rows += record_rows(task, task_records, examples, step)
+    path = records_path(log_dir, prefix, step)
+    write_records(path, rows)
+    log.info("benchmark records of %d examples written to %s", len(rows), path)
+    return path

@@ -1,0 +1,260 @@
+"""QuantizedMatmul: the one quantized-matmul concept of the core, shared by the dense linear and the MoE experts.
+
+A quantized matmul computes ``x @ W.T (+ b)`` with the input activation and the weight each fake-quantized
+by their own per-tensor scaler (scale, clip to +-max_val, round, dequantize). Backward (STE): the
+gradients are those of a linear layer evaluated at the quantized tensors, passed straight through the
+rounding and, with ``ste="identity"`` (the paper's), through the clipping as well; with ``ste="clipped"``
+elements that saturated get zero gradient. Optionally the output gradient is fake-quantized too (own
+scaler, stochastic rounding).
+
+:class:`QuantizedMatmul` is the base of :class:`~qat_app.hif8.linear.HiF8Linear` (the weight is its own
+parameter) and :class:`~qat_app.hif8.experts.QuantizedProjection` (the weight is one expert's slice of a
+fused parameter). It owns, once for both:
+
+- the quantization state (:meth:`~QuantizedMatmul.init_quantization`): recipe, runtime options, format,
+  the scalers under :data:`SCALER_NAMES` (their names are the checkpoint's state keys), the switches
+  (saved as the module's extra state, so a checkpoint restores the warmup phase), the weight-code cache;
+- the weight operand (:meth:`~QuantizedMatmul.quantized_weight`), quantized once per optimizer step;
+- the plan (:meth:`~QuantizedMatmul.plan`): the frozen :class:`Plan` of scalers and switches the autograd
+  function :class:`QuantizedMatmulFunction` gets instead of the module;
+- the exported-weight hook (:meth:`~QuantizedMatmul.mark_exported`): the 8-bit export's reader marks a
+  weight that already holds ``decode(codes) / scale``; in eval mode, while it is unchanged, it is used as it is.
+
+Observers record amax whether or not quantization is switched on (the BF16 warmup relies on that), but
+only in training mode, so evaluation never moves a history. With ``save_8bit_activations`` the quantized
+input is kept for backward as uint8 codes plus the scale; decoding reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fake_quant import dequantize_codes, saturated_mask
+from .formats import Float8Format, get_format
+from .recipe import HiF8Recipe, RuntimeOptions
+from .scaling import AmaxScaler
+
+# the scalers of a quantized matmul, in registration (and state-dict) order; grad_scaler only with quantize_grads
+SCALER_NAMES = ("input_scaler", "weight_scaler", "grad_scaler")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the matmul runs in: the autocast dtype under autocast, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def passes_gradient(ste_clipped: bool, x, scale, scaler: AmaxScaler, fmt) -> torch.Tensor | None:
+    """``ste="clipped"``: False where the element was clipped (same definition as the counters)."""
+    return ~saturated_mask(x, scale, scaler.max_val, fmt) if ste_clipped else None
+
+
+class QuantizedMatmul(nn.Module):
+    """The quantization state and behaviour of one W8A8 matmul (see the module docstring).
+
+    A subclass calls :meth:`init_quantization` in its constructor and :meth:`quantized_matmul` in its
+    forward; it defines no ``__init__`` here, so it combines with ``nn.Linear`` (``HiF8Linear``).
+    """
+
+    _exported_key: tuple | None = None  # set by mark_exported (the 8-bit export's reader)
+
+    def init_quantization(self, recipe: HiF8Recipe | None, runtime: RuntimeOptions | None, device) -> None:
+        """Recipe, runtime options, format, scalers (built on ``device``), switches, weight cache."""
+        self.recipe = recipe = recipe if recipe is not None else HiF8Recipe()
+        self.runtime = runtime = runtime if runtime is not None else RuntimeOptions()
+        self.format = get_format(recipe.format)
+        max_vals = (recipe.resolved_max_val, recipe.resolved_max_val, recipe.grad_max_val if recipe.quantize_grads else None)
+        for name, max_val in zip(SCALER_NAMES, max_vals):
+            setattr(self, name, None if max_val is None else AmaxScaler(
+                recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device))
+        self.quantize_activations = runtime.quantize_activations
+        self.quantize_weights = runtime.quantize_weights
+        self.quantize_grads = recipe.quantize_grads
+        self._weight_cache = None
+
+    def named_scalers(self) -> list[tuple[str, AmaxScaler]]:
+        return [(name, s) for name in SCALER_NAMES if (s := getattr(self, name, None)) is not None]
+
+    def scalers(self) -> list[AmaxScaler]:
+        return [s for _, s in self.named_scalers()]
+
+    # The switches are part of the state so a checkpoint restores the warmup phase with the weights.
+    def get_extra_state(self) -> dict:
+        return {
+            "quantize_weights": self.quantize_weights,
+            "quantize_activations": self.quantize_activations,
+            "quantize_grads": self.quantize_grads,
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        self.quantize_weights = bool(state["quantize_weights"])
+        self.quantize_activations = bool(state["quantize_activations"])
+        self.quantize_grads = bool(state.get("quantize_grads", False)) and self.grad_scaler is not None
+
+    def quantization_repr(self) -> str:
+        return (f"format={self.recipe.format}, amax_algo={self.recipe.amax_algo}, "
+                f"w={self.quantize_weights}, a={self.quantize_activations}, ste={self.recipe.ste}")
+
+    # ------------------------------------------------------------------------ the exported-weight hook
+    @staticmethod
+    def weight_key(weight: torch.Tensor) -> tuple:
+        """(parameter identity, its in-place version, the slice): survives ``.to(device/dtype)``, changes with
+        any in-place update of the parameter or a new parameter. A slice (one expert's weight) is keyed by
+        the parameter it views."""
+        base = weight._base if weight._base is not None else weight
+        return id(base), base._version, weight.storage_offset(), tuple(weight.shape)
+
+    def mark_exported(self, weight: torch.Tensor | None = None) -> None:
+        """The export hook: ``weight`` (the tensor this matmul's forward passes; default: the module's own
+        ``weight``) already holds ``decode(codes) / scale``. In eval mode, while it is unchanged, it is used
+        as it is; in training mode, or once it changed, it is quantized as usual."""
+        self._exported_key = self.weight_key(self.weight if weight is None else weight)
+
+    def is_exported(self, weight: torch.Tensor) -> bool:
+        """``weight`` is the one :meth:`mark_exported` marked, unchanged since."""
+        return self._exported_key is not None and self._exported_key == self.weight_key(weight)
+
+    # ------------------------------------------------------------------------------- the forward
+    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype):
+        """-> (saved: uint8 codes or the weight itself, scale or None, clipped-mask or None): the weight
+        operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
+        when not).
+
+        Quantized once per optimizer step: the codes (1 byte per parameter) are cached until the
+        parameter changes (``_version``) or the scale does; forward and backward decode them.
+        """
+        if self._exported_key is not None and self.quantize_weights and not self.training and self.is_exported(weight):
+            return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
+        scaler = self.weight_scaler
+        key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste)
+        if self._weight_cache is None or self._weight_cache[0] != key:
+            self._weight_cache = None  # free the old codes before making new ones
+            w = weight.detach().to(dtype)
+            if self.quantize_weights:
+                result, scale = scaler.quantize(w, self.format, want_codes=True, fused=self.runtime.fused)
+                mask = passes_gradient(self.recipe.ste == "clipped", w, scale, scaler, self.format)
+                entry = (result.codes, scale.clone(), mask, (result.amax, result.clipped))
+            else:
+                entry = (w, None, None, (w.abs().amax(), None))
+            self._weight_cache = (key, *entry)
+            scaler.observed_this_step = False
+        _, saved, scale, mask, stats = self._weight_cache
+        if self.training and not scaler.observed_this_step:
+            scaler.observe(stats[0], stats[1], weight.numel())
+        return saved, scale, mask
+
+    def release_weight_cache(self) -> None:
+        """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
+        self._weight_cache = None
+
+    def plan(self, dtype: torch.dtype) -> "Plan":
+        """This forward's scalers and switches, for the autograd function."""
+        return Plan(
+            input_scaler=self.input_scaler, activations_on=self.quantize_activations, record=self.training,
+            grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format,
+            fused=self.runtime.fused, ste_clipped=self.recipe.ste == "clipped",
+            save_codes=self.runtime.save_8bit_activations, stochastic_grads=self.recipe.grad_stochastic_rounding,
+            dtype=dtype,
+        )
+
+    def quantized_matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``, W8A8, with straight-through gradients for ``x``, ``weight`` and ``bias``."""
+        dtype = compute_dtype(x)
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            w_saved, w_scale, w_mask = self.quantized_weight(weight, dtype)
+        return QuantizedMatmulFunction.apply(x, weight, bias, w_saved, w_scale, w_mask, self.plan(dtype))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one forward of a quantized matmul does: its scalers and switches at call time (the autograd
+    function gets this, not the module)."""
+
+    input_scaler: AmaxScaler
+    activations_on: bool
+    record: bool  # training mode: observers record
+    grad_scaler: AmaxScaler | None
+    grads_on: bool
+    fmt: Float8Format
+    fused: str
+    ste_clipped: bool
+    save_codes: bool
+    stochastic_grads: bool
+    dtype: torch.dtype  # compute dtype (the autocast dtype under autocast)
+
+    def decode(self, saved: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:  # not quantized: the tensor itself
+            return saved
+        return dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused)
+
+    def quantize_input(self, x: torch.Tensor):
+        """-> (x for the matmul, codes or None, scale or None, clipped-mask or None)."""
+        scaler = self.input_scaler
+        if not self.activations_on:
+            if self.record:
+                scaler.observe(x.abs().amax(), None, x.numel())
+            return x, None, None, None
+        result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes, fused=self.fused)
+        if self.record:
+            scaler.observe(result.amax, result.clipped, x.numel())
+        return result.dequantized, result.codes, scale, passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
+
+    def quantize_grad_output(self, g: torch.Tensor) -> torch.Tensor:
+        scaler = self.grad_scaler
+        if scaler is None:
+            return g
+        if not self.grads_on:
+            scaler.observe(g.abs().amax(), None, g.numel())
+            return g
+        noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32) if self.stochastic_grads else None
+        result, _ = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused)
+        scaler.observe(result.amax, result.clipped, g.numel())
+        return result.dequantized
+
+
+class QuantizedMatmulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, plan: Plan):
+        dtype = plan.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            xq, x_codes, x_scale, x_mask = plan.quantize_input(x.to(dtype))
+            b = bias.to(dtype) if bias is not None else None
+            out = F.linear(xq, plan.decode(w_saved, w_scale), b)
+        if out._base is not None:
+            # with a bias, F.linear of an N-D input returns a view (addmm, then a reshape): an output of a
+            # custom Function that is a view may not be modified in place (Falcon's `mlp_output += ...`)
+            out = out.clone()
+        ctx.plan = plan
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.has_bias = bias is not None
+        # backward needs the quantized input and weight: kept as 8-bit codes + scale where possible
+        x_saved, x_saved_scale = (x_codes, x_scale) if x_codes is not None else (xq, None)
+        ctx.save_for_backward(x_saved, x_saved_scale, w_saved, w_scale, x_mask, w_mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x_saved, x_scale, w_saved, w_scale, x_mask, w_mask = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g = plan.quantize_grad_output(grad_out.to(plan.dtype))
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ plan.decode(w_saved, w_scale)
+            if x_mask is not None:
+                grad_x = grad_x * x_mask
+            grad_x = grad_x.to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            xq = plan.decode(x_saved, x_scale)
+            grad_w = g.reshape(-1, g.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
+            if w_mask is not None:
+                grad_w = grad_w * w_mask
+            grad_w = grad_w.to(w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
