@@ -1,11 +1,14 @@
-"""A checkpoint written by an earlier main (commit ff1cdb1: per-layer scaler buffers, before the exact
-saturation counters) resumes on today's code: the losses after the resume, the final weights and the
-optimizer-driven scaler state (amax histories, a_hat, scales, steps recorded) are those of the uninterrupted
-run of that code.
+"""Checkpoints written by earlier mains resume on today's code: the losses after the resume, the final weights
+and the optimizer-driven scaler state (amax histories, a_hat, scales, steps recorded) are those of the
+uninterrupted run of that code. Two fixtures, both made by tests/fixtures/checkpoint_v1/make.py:
 
-The fixture (tests/fixtures/checkpoint_v1/, made by its make.py) holds the tiny model, corpus and
-config, the step-2 checkpoint, and the losses and final state of the uninterrupted 4-step run -- recorded
-on the machine that made it. Two checks, so that the test holds on any x86-64 CPU:
+* checkpoint_v1: commit ff1cdb1 (per-layer scaler buffers, before the exact saturation counters);
+* checkpoint_v2: commit 05d3587, the main before issue 20 (stacked scaler state, exact counters, the
+  hand-written QuantConfig; see its MADE_WITH).
+
+Each holds the tiny model, corpus and config, the step-2 checkpoint, and the losses and final state of the
+uninterrupted 4-step run -- recorded on the machine that made it. Two checks, so that the test holds on any
+x86-64 CPU:
 
 * against the recorded run: with tolerances derived from the arithmetic (below). Another CPU runs other
   vectorised float32 kernels (AVX2 vs AVX-512 matmuls, AdamW's fused loops), which sum in another order
@@ -31,7 +34,9 @@ import yaml
 
 import main as cli
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint_v1")
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+# fixture -> the directory it was made in (its checkpoint names paths there)
+MADE_IN = {"checkpoint_v1": "/tmp/ckv1", "checkpoint_v2": "/tmp/ckv2"}
 # telemetry that did not exist (or counted differently) in that code: not part of the exact state
 NEW_TELEMETRY = ("quantized_steps", "last_headroom", "min_headroom", "total_clipped", "last_clipped",
                  "saturation_events", "total_numel", "last_numel", "last_a_hat")
@@ -41,9 +46,6 @@ def comparable_state(module) -> dict[str, torch.Tensor]:
     """Weights and scaler state by their per-layer names (``...mlp.up_proj.input_scaler.amax_history``)."""
     return {k: v for k, v in module.state_dict().items()
             if isinstance(v, torch.Tensor) and k.rsplit(".", 1)[-1] not in NEW_TELEMETRY}
-
-
-MADE_IN = "/tmp/ckv1"
 
 
 def relocate(value, old: str, new: str):
@@ -100,14 +102,14 @@ def assert_close_to_recorded(key: str, got: torch.Tensor, want: torch.Tensor) ->
         torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=key)
 
 
-def resume(tmp_path, name: str):
-    """Resume the fixture's step-2 checkpoint to step 4 with today's code, in ``tmp_path/name``:
+def resume(tmp_path, fixture: str, name: str):
+    """Resume ``fixture``'s step-2 checkpoint to step 4 with today's code, in ``tmp_path/name``:
     -> (logged per-step losses, comparable final state)."""
     root = tmp_path / name
     work = root / "fixture"
-    shutil.copytree(FIXTURE, work)
-    # the checkpoint names the paths it was made in (/tmp/ckv1): point them at this copy, nothing else changes
-    checkpoint = relocate(torch.load(work / "step2.ckpt", weights_only=False), MADE_IN, str(work))
+    shutil.copytree(os.path.join(FIXTURES, fixture), work)
+    # the checkpoint names the paths it was made in (/tmp/ckvN): point them at this copy, nothing else changes
+    checkpoint = relocate(torch.load(work / "step2.ckpt", weights_only=False), MADE_IN[fixture], str(work))
     torch.save(checkpoint, work / "step2.ckpt")
     text = (work / "config.yaml").read_text().replace("MODEL_DIR", str(work / "model"))
     config = yaml.safe_load(text.replace("CORPUS", str(work / "corpus.jsonl")))
@@ -124,14 +126,16 @@ def resume(tmp_path, name: str):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_the_previous_main_resumes_exactly(tmp_path):
-    losses, got = resume(tmp_path, "first")
+@pytest.mark.parametrize("fixture", sorted(MADE_IN))
+def test_checkpoint_of_an_earlier_main_resumes_exactly(tmp_path, fixture):
+    losses, got = resume(tmp_path, fixture, "first")
 
     # 1. the recorded run of the old code, within the tolerances above
-    expected = {int(k): v for k, v in json.load(open(FIXTURE + "/losses.json")).items() if int(k) >= 2}
+    recorded = os.path.join(FIXTURES, fixture)
+    expected = {int(k): v for k, v in json.load(open(recorded + "/losses.json")).items() if int(k) >= 2}
     assert sorted(losses) == sorted(expected) == [2, 3]
     assert losses == pytest.approx(expected, rel=LOSS_RTOL, abs=0)
-    final = {k: v for k, v in torch.load(os.path.join(FIXTURE, "final_state.pt"), weights_only=True).items()
+    final = {k: v for k, v in torch.load(os.path.join(recorded, "final_state.pt"), weights_only=True).items()
              if k.rsplit(".", 1)[-1] not in NEW_TELEMETRY}
     assert final.keys() <= got.keys()
     assert any(k.endswith("input_scaler.amax_history") for k in final)
@@ -142,7 +146,7 @@ def test_checkpoint_of_the_previous_main_resumes_exactly(tmp_path):
 
     # 2. bit for bit in this process: the same checkpoint again, after every global RNG was scrambled
     torch.manual_seed(12345), random.seed(12345), np.random.seed(12345)
-    losses_again, got_again = resume(tmp_path, "again")
+    losses_again, got_again = resume(tmp_path, fixture, "again")
     assert losses_again == losses
     assert got_again.keys() == got.keys()
     for key, value in got.items():

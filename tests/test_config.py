@@ -103,3 +103,14 @@ def test_coerce_reads_plain_dicts_and_names_unknown_keys():
     assert QuantConfig.coerce({"history_len": 7}) == QuantConfig(history_len=7)  # absent: the core's default
     with pytest.raises(QuantConfigError, match=r"quant.histroy_len: not a quantization setting"):
         QuantConfig.coerce({"histroy_len": 7})
+
+
+def test_module_hyperparameters_hold_plain_settings(tiny_model_dir):
+    """Built from Python (not the CLI, whose config dump Lightning stores), a QATModule keeps the settings as a
+    plain dict in its hyper-parameters -- what checkpoints and loggers store -- and rebuilds from them."""
+    from qat_app.module import QATModule
+
+    module = QATModule(model_name=str(tiny_model_dir), quant=QuantConfig(history_len=7, high_precision_layers=1))
+    assert type(module.hparams["quant"]) is dict and module.hparams["quant"]["history_len"] == 7
+    again = QATModule(**module.hparams)
+    assert again.quant == module.quant and again.quant_report.modules == module.quant_report.modules
