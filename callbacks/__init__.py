@@ -1,3 +1,4 @@
+from .forgetting import ForgettingMonitor
 from .initial_eval import InitialEvaluationCallback
 from .model_summary import QATModelSummary
 from .progress_log import StepLogCallback
@@ -9,6 +10,6 @@ from .throughput import TokenThroughputMonitor
 from .warmup import BF16WarmupCallback
 
 __all__ = [
-    "AmaxSaturationCallback", "BF16WarmupCallback", "InitialEvaluationCallback", "QATModelSummary", "RNGStateCallback",
-    "RunSummaryCallback", "StepLogCallback", "StepProgressBar", "TokenThroughputMonitor",
+    "AmaxSaturationCallback", "BF16WarmupCallback", "ForgettingMonitor", "InitialEvaluationCallback", "QATModelSummary",
+    "RNGStateCallback", "RunSummaryCallback", "StepLogCallback", "StepProgressBar", "TokenThroughputMonitor",
 ]

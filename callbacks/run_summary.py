@@ -5,6 +5,9 @@ saturation_summary.json and the config. At the end of fit, on global rank 0, thi
 (``run_summary.txt`` in the log directory):
   train loss (last step); val loss and perplexity;
   per benchmark task acc and acc_norm with lm-eval's standard error sqrt(p (1 - p) / (n - 1)), and n;
+  forgetting: per benchmark, initial -> final for acc, acc_norm and the monitored continuous measure
+  (ForgettingMonitor's; default p_gold_norm), paired over the same examples, with the difference, its 95 %
+  interval and the verdict, and ``forget/kl`` (KL(initial || final) on held-out text) when logged;
   saturation totals (from AmaxSaturationCallback's summary file, or its ``summary()`` if it has none yet);
   the log and checkpoint locations; the report and export commands for this run.
 """
@@ -19,6 +22,10 @@ import os
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from qat_app.eval.measures import MeasureError, compare_records, verdict
+from qat_app.eval.records import SAMPLES_DIR, read_records, records_path
+
+from .forgetting import DEFAULT_MEASURES, KL_METRIC, ForgettingMonitor, initial_records_candidates
 from .saturation import AmaxSaturationCallback
 
 log = logging.getLogger(__name__)
@@ -27,6 +34,68 @@ log = logging.getLogger(__name__)
 def stderr(p: float, n: float) -> float:
     """lm-eval's sample standard error of a mean accuracy over n examples (nan for n < 2)."""
     return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
+
+
+def summary_measures(monitor: ForgettingMonitor | None) -> list[str]:
+    """acc, acc_norm and the monitor's other measures (its continuous ones; p_gold_norm without a monitor)."""
+    others = [m for m in (monitor.measures if monitor is not None else DEFAULT_MEASURES) if m not in ("acc", "acc_norm")]
+    return ["acc", "acc_norm", *others]
+
+
+def final_records(log_dir: str | None) -> str | None:
+    """The last validation's records of this fit (the highest step > 0 in ``log_dir``)."""
+    directory = os.path.join(log_dir, SAMPLES_DIR) if log_dir else None
+    if not directory or not os.path.isdir(directory):
+        return None
+    steps = [int(n[len("val_step"):-len(".jsonl")]) for n in os.listdir(directory)
+             if n.startswith("val_step") and n.endswith(".jsonl") and n[len("val_step"):-len(".jsonl")].isdigit()]
+    steps = [s for s in steps if s > 0]
+    return records_path(log_dir, "val", max(steps)) if steps else None
+
+
+def forgetting_lines(trainer: L.Trainer, log_dir: str | None, metrics: dict[str, float]) -> list[str]:
+    """The forgetting block: initial -> final per task and measure (95 % paired interval, verdict), forget/kl."""
+    monitor = next((c for c in trainer.callbacks if isinstance(c, ForgettingMonitor)), None)
+    initial = monitor.initial_path if monitor is not None and monitor.initial_path else None
+    if not initial or not os.path.exists(initial):
+        here = records_path(log_dir, "val", 0) if log_dir else None
+        found = [here] if here and os.path.exists(here) else initial_records_candidates(trainer, log_dir)
+        initial = found[0] if found else None
+    final = final_records(log_dir)
+    lines = []
+    if initial and final:
+        measures = summary_measures(monitor)
+        try:
+            comparison = compare_records(read_records(initial), read_records(final), measures)
+        except (OSError, ValueError, MeasureError) as err:
+            comparison = None
+            lines.append(f"forgetting    - (cannot compare {_show(final)} with {_show(initial)}: {err})")
+        if comparison is not None:
+            step = os.path.basename(final)[len("val_step"):-len(".jsonl")].lstrip("0")
+            lines.append(f"forgetting    initial -> final (step {step}), paired over the same examples; "
+                         "difference [95 % interval], verdict")
+            for task, results in comparison.items():
+                for i, measure in enumerate(m for m in measures if m in results):
+                    r = results[measure]
+                    budget = monitor.budget(measure) if monitor is not None else None
+                    values = f"{r.before:.4f} -> {r.after:.4f}" if r.before is not None else "(drift)"
+                    lines.append(f"  {task if i == 0 else '':<13} {measure:<12} {values:<18} {r.difference:+.4f} "
+                                 f"[{r.low:+.4f}, {r.high:+.4f}]  {verdict(measure, r, budget)}   n={r.n}")
+                for measure, why in comparison.unavailable.get(task, {}).items():
+                    lines.append(f"  {'':<13} {measure:<12} - ({why})")
+    if KL_METRIC in metrics:
+        bounds = (f" [{metrics[KL_METRIC + '_low']:.4f}, {metrics[KL_METRIC + '_high']:.4f}]"
+                  if f"{KL_METRIC}_low" in metrics and f"{KL_METRIC}_high" in metrics else "")
+        budget = monitor.kl_budget if monitor is not None else None
+        over = "" if budget is None else (" over budget" if metrics.get(f"{KL_METRIC}_low", -1) > budget
+                                          else " within budget") + f" {budget:g}"
+        lines.append(f"  {KL_METRIC:<26} {metrics[KL_METRIC]:.4f} nats/token{bounds}{over} "
+                     "(KL(initial || final) on held-out text)")
+    if monitor is not None and monitor.alarms:
+        first = monitor.alarms[0]
+        lines.append(f"  alarms        {len(monitor.alarms)}; first at step {first['step']}: {first['task']} "
+                     f"{first['measure']}" + (f" (stopped: {_show(monitor.stop_checkpoint)})" if monitor.stop_checkpoint else ""))
+    return lines
 
 
 def _show(path: str | None) -> str:
@@ -98,6 +167,7 @@ class RunSummaryCallback(L.Callback):
             scores = [f"{name} {m[f'val/{task}/{name}']:.4f} +- {stderr(m[f'val/{task}/{name}'], n):.4f}"
                       for name in ("acc", "acc_norm") if f"val/{task}/{name}" in m]
             lines.append(f"{task:<13} {'   '.join(scores)}   n={int(n)}")
+        lines += forgetting_lines(trainer, log_dir, m)
         unquantized = sat is not None and not sat.get("quantized_tensors")
         if sat and not unquantized:
             lines.append(f"saturation    {sat['clipped']} of {sat['seen']:.3g} quantized elements clipped "

@@ -27,8 +27,9 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, InitialEvaluationCallback, QATModelSummary,
-                       RNGStateCallback, RunSummaryCallback, StepLogCallback, StepProgressBar, TokenThroughputMonitor)
+from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, ForgettingMonitor, InitialEvaluationCallback,
+                       QATModelSummary, RNGStateCallback, RunSummaryCallback, StepLogCallback, StepProgressBar,
+                       TokenThroughputMonitor)
 from qat_app import preflight
 from qat_app.checkpoint import (check_given_checkpoint, is_checkpoint_file_arg, log_replaced_settings, resolve_ckpt_path,
                                 settings_dict)
@@ -57,6 +58,8 @@ class QATCLI(LightningCLI):
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
         parser.add_lightning_class_args(StepLogCallback, "step_log")
         parser.add_lightning_class_args(InitialEvaluationCallback, "initial_eval")
+        # after "initial_eval": compares every later validation's benchmark records with the step-0 ones
+        parser.add_lightning_class_args(ForgettingMonitor, "forgetting")
         # after "saturation": its on_fit_end writes the totals the summary reads
         parser.add_lightning_class_args(RunSummaryCallback, "summary")
         parser.add_argument(
@@ -141,6 +144,7 @@ class QATCLI(LightningCLI):
         checkpoints)."""
         self._resolve_ckpt_path(need_training_state=True)
         preflight.check_data(self.datamodule, self.trainer.world_size)
+        preflight.check_forgetting_monitor(self.trainer, self.datamodule)
 
     def before_validate(self) -> None:
         self._resolve_ckpt_path(need_training_state=False)

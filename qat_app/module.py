@@ -131,6 +131,7 @@ class QATModule(L.LightningModule):
         self.evaluator = None  # built lazily when benchmark batches arrive
         self._flops = FlopsModel(self.model)
         self._batch_shape: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the last batch
+        self.forget_kl = None  # KL to the initial model (eval.kl_cache.InitialKL), set by InitialEvaluationCallback
 
     # --------------------------------------------------------------------------------- training
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels=None):
@@ -261,6 +262,8 @@ class QATModule(L.LightningModule):
             self.evaluator.update(self.model, batch)
             return
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        if self.forget_kl is not None:  # forget/kl on the held-out blocks (device operations only)
+            self.forget_kl.update(batch["input_ids"], out.logits)
         self.log("val/loss", out.loss, on_epoch=True, sync_dist=True, add_dataloader_idx=False,
                  batch_size=batch["input_ids"].shape[0])
 

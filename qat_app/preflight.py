@@ -146,6 +146,16 @@ def check_data(datamodule, world_size: int) -> None:
         check(world_size)
 
 
+def check_forgetting_monitor(trainer, datamodule) -> None:
+    """``forgetting.enabled`` / ``tasks`` against the initial evaluation and the benchmarks (callbacks.forgetting)."""
+    from callbacks import ForgettingMonitor, InitialEvaluationCallback
+
+    monitor = next((c for c in trainer.callbacks if isinstance(c, ForgettingMonitor)), None)
+    if monitor is not None:
+        initial = next((c for c in trainer.callbacks if isinstance(c, InitialEvaluationCallback)), None)
+        monitor.check(initial, datamodule, trainer.limit_val_batches)
+
+
 def refuse_quantized_model_without_history(model, subcommand: str) -> None:
     """Evaluating (``subcommand``) a freshly quantized model: it has no amax history, so every layer would scale
     each batch by that padded batch's own max and scores would depend on the batch size. Refuse, saying what

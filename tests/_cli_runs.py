@@ -9,6 +9,12 @@ import yaml
 from qat_app.hif8.patch import quantized_linears
 
 WARMUP, STEPS, HISTORY = 3, 6, 5
+# a few offline benchmark questions for fits that need per-example records (seconds on the tiny model)
+TINY_BENCHMARKS = {
+    "class_path": "qat_app.data.benchmarks.BenchmarkDataModule",
+    "init_args": {"tasks": ["arc_challenge", "mmlu"], "mmlu_subjects": ["anatomy"], "limit": 12, "batch_size": 12,
+                  "source": "local"},
+}
 
 
 class PhaseRecorder(L.Callback):

@@ -4,8 +4,10 @@ import csv
 import json
 import math
 import os
+import re
 
 import numpy as np
+
 import pytest
 
 from qat_app import report as rp
@@ -344,6 +346,25 @@ def test_mmlu_subjects_and_categories_from_records():
 
 
 # ---------------------------------------------------------------------------------------- checks
+def test_only_what_changes_the_numbers_must_match(tmp_path):
+    """A baseline without a checkpoint callback, with other loggers, progress and logging interval, pairs with a
+    QAT run that has them; the seed, the precision or the steps' arithmetic do not."""
+    arc = records("arc_challenge", _correct(100, 50), 3)
+    bare = config(tmp_path / "base", False)
+    bare["trainer"].update(callbacks=[], logger=False, enable_progress_bar=False, log_every_n_steps=1)
+    bare["data"] = {"init_args": {"seq_len": 128, "benchmarks": {"init_args": {"limit": 20}}}}
+    full = config(tmp_path / "qat", True)
+    full["data"] = {"init_args": {"seq_len": 128, "benchmarks": {"init_args": {"limit": 40}}}}
+    base = make_run(tmp_path / "base", False, final=arc, cfg=bare)
+    qat = make_run(tmp_path / "qat", True, final=arc, cfg=full)
+    assert rp.build_report(base, [qat], tmp_path / "out")["warnings"] == []
+    for field, value in (("seed_everything", 7), ("trainer.precision", "bf16-mixed"),
+                         ("trainer.accumulate_grad_batches", 4), ("model.dtype", "bfloat16")):
+        other = make_run(tmp_path / field, True, final=arc, cfg=config(tmp_path / field, True, **{field: value}))
+        with pytest.raises(rp.ReportError, match=re.escape(field)):
+            rp.build_report(base, [other], tmp_path / "out")
+
+
 def test_config_mismatch_is_refused_and_force_warns(tmp_path, capsys):
     arc = records("arc_challenge", _correct(100, 50), 3)
     base = make_run(tmp_path / "base", False, final=arc)

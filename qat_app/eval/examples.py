@@ -28,6 +28,7 @@ class MultipleChoiceExample:
     gold: int
     subject: str | None = None  # MMLU only
     target_delimiter: str = TARGET_DELIMITER
+    cluster: str | None = None  # items sharing a source (TaskSpec.cluster_field); None: the item is its own cluster
 
     @property
     def continuations(self) -> list[str]:
@@ -105,9 +106,17 @@ def build_examples(
                 choices=tuple(choices),
                 gold=gold,
                 subject=subject,
+                cluster=_cluster(spec, doc, subject),
             )
         )
     return examples
+
+
+def _cluster(spec: TaskSpec, doc: Mapping[str, Any], subject: str | None) -> str | None:
+    if spec.cluster_field is None:
+        return None
+    value = doc.get(spec.cluster_field, subject if spec.cluster_field == "subject" else None)
+    return None if value is None else str(value)
 
 
 def _render_shot(spec: TaskSpec, doc: Mapping[str, Any]) -> tuple[str, str]:

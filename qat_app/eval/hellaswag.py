@@ -2,6 +2,11 @@
 
 ``preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize())``, choices
 ``" " + preprocess(ending)``; few-shot examples drawn from ``train`` (lm-eval's random sampler).
+
+Cluster (for clustered standard errors): ``source_id``, the ActivityNet video or WikiHow article the context was
+taken from (``activitynet~v_-JhWjGDPHMY``); items written from one source share it (10042 validation items come
+from 8407 sources). Not ``ind`` (one per item), ``activity_label`` (a category of ~190 labels, many sources each)
+or ``ctx`` (the item's own text).
 """
 
 from __future__ import annotations
@@ -45,4 +50,5 @@ SPEC = TaskSpec(
     doc_to_choices=hellaswag_doc_to_choices,
     doc_to_gold=hellaswag_doc_to_gold,
     fewshot_sampler="random",
+    cluster_field="source_id",
 )

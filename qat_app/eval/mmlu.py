@@ -127,4 +127,5 @@ SPEC = TaskSpec(
     doc_to_choices=mmlu_doc_to_choices,
     doc_to_gold=mmlu_doc_to_gold,
     fewshot_sampler="first_n",
+    cluster_field="subject",  # the questions of one subject cluster (the doc's own field, else the split's subject)
 )

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SAMPLES_DIR = "benchmark_samples"  # per-example benchmark records, in the logger's directory
+# the top-k next-token files of qat_app.eval.kl_cache (named here, where the report can import them without torch)
+INITIAL_TOPK_FILE = "initial_topk.pt"  # in the run directory (trainer.default_root_dir)
+FINAL_TOPK_FILE = "final_topk.pt"  # in the logger's directory
 
 
 def records_path(log_dir: str, prefix: str, step: int) -> str:
@@ -30,7 +33,11 @@ def records_path(log_dir: str, prefix: str, step: int) -> str:
 def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list | None, step: int) -> list[dict]:
     """JSON-ready rows, one per example: task, doc_id (the doc's index in its split, as lm-eval's samples
     count it; for MMLU within its subject), subject, gold, per-choice log-likelihoods, both predictions
-    and whether each is correct. ``examples``: the datamodule's rendered examples, by example id."""
+    and whether each is correct. ``examples``: the datamodule's rendered examples, by example id; with them each
+    row also holds its choices' lengths in characters and in UTF-8 bytes (``choice_chars``, ``choice_bytes``,
+    of the choice strings without the delimiter, as lm-eval's acc_norm / acc_bytes count them) and its
+    ``cluster`` (:attr:`~qat_app.eval.spec.TaskSpec.cluster_field`: MMLU subject, HellaSwag source_id; None for
+    ARC), which :mod:`qat_app.eval.measures` uses."""
     from qat_app.eval.metric import MAX_RECORDED_CHOICES
 
     columns = {key: value.cpu().tolist() for key, value in records.items()}
@@ -38,6 +45,10 @@ def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list |
     for i, example_id in enumerate(columns["example_id"]):
         example = examples[example_id] if examples is not None else None
         choices = len(example.choices) if example is not None else MAX_RECORDED_CHOICES
+        lengths = {} if example is None else {
+            "choice_chars": [len(c) for c in example.choices],
+            "choice_bytes": [len(c.encode("utf-8")) for c in example.choices],
+            "cluster": getattr(example, "cluster", None)}
         rows.append({
             "task": task,
             "doc_id": example.doc_index if example is not None else example_id,
@@ -49,9 +60,16 @@ def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list |
             "pred_norm": columns["pred_norm"][i],
             "acc": int(columns["acc"][i]),
             "acc_norm": int(columns["acc_norm"][i]),
+            **lengths,
             "step": step,
         })
     return rows
+
+
+def read_records(path: str) -> list[dict]:
+    """The rows of a records file (OSError / ValueError when unreadable)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def write_records(path: str, rows: Iterable[Mapping[str, Any]]) -> None:

@@ -30,6 +30,8 @@ class TaskSpec:
     doc_to_gold: Callable[[Mapping[str, Any]], int]
     fewshot_sampler: str  # "first_n" (MMLU) or "random" (lm-eval's default sampler)
     hub_subset: str | None = None  # HF dataset config name; MMLU uses the subject
+    # the doc field grouping items written from one source (clustered standard errors); None: each item alone
+    cluster_field: str | None = None
 
 
 def build_prompt(

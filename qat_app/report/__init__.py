@@ -20,6 +20,12 @@ exact p and a verdict (``worse`` / ``within noise`` / ``better``: the interval b
 Relative drop % = (before - after) / before * 100. Training-loss APE = mean over common logged steps of
 |loss_qat - loss_base| / loss_base * 100.
 
+Next to them, per task, the continuous measures of :mod:`qat_app.eval.measures` (p_gold, p_gold_norm,
+gold_loglik_per_byte, brier, the choice-distribution KL and the answer flips both ways) in the same three
+comparisons: paired mean difference, normal 95% interval with a standard error clustered by the task's records
+(MMLU subject, HellaSwag source_id, ARC none; CR1), z, verdict (:mod:`.measures_table`). Runs that evaluated a task
+on disjoint examples are refused.
+
 Before comparing, each QAT run's config.yaml is checked against the baseline's: only quantization
 (``model.quant.*``, ``warmup.*``, ``saturation.*``) and bookkeeping paths may differ, and the last
 logged train step must match; otherwise :class:`ReportError` (``--force``: a warning, also in results.md).
@@ -29,28 +35,30 @@ Written to ``--out``: results.md, results.csv (one row per run, metric, comparis
 drawn on every step axis).
 
 Modules: :mod:`.runs` (reading a run: metrics, summary, config, records), :mod:`.compare` (evaluations,
-comparisons, checks, arithmetic), :mod:`.tables` (markdown / csv / json), :mod:`.figures`, :mod:`.build`
+comparisons, checks, arithmetic), :mod:`.measures_table` (the continuous measures' comparisons and table),
+:mod:`.tables` (markdown / csv / json), :mod:`.figures`, :mod:`.build`
 (:func:`build_report`), :mod:`.cli` (:func:`main`).
 """
 
 from .runs import (CONFIG_FILE, METRICS_FILE, PRECISION_NAMES, SAMPLES_DIR, SUMMARY_FILE, ReportError, Run,
                    default_label, find_metrics_files, flatten, load_run, precision_name, quantized, read_config,
                    read_metrics, read_samples, read_summary, warmup_switch_step)
-from .compare import (ALLOWED_CONFIG_DIFFERENCES, BENCHMARK_RE, COMPARISONS, REAL_METRICS, Evaluation, arc_check,
+from .compare import (ALLOWED_CONFIG_DIFFERENCES, BENCHMARK_RE, COMPARED_CONFIG, COMPARISONS, REAL_METRICS, Evaluation, arc_check,
                       benchmark_keys, check_pair, compare_metric, config_differences, evaluate_run, example_values,
                       is_main_metric, loss_ape, relative_drop, saturation_stats)
+from .measures_table import compare_measures, measure_tasks, render_measures
 from .tables import CSV_COLUMNS, render_markdown, write_csv
 from .figures import FIGURES, a_hat_points, clipped_steps, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
 from .build import build_report
 from .cli import main
 
 __all__ = [
-    "ALLOWED_CONFIG_DIFFERENCES", "BENCHMARK_RE", "COMPARISONS", "CONFIG_FILE", "CSV_COLUMNS", "Evaluation",
+    "ALLOWED_CONFIG_DIFFERENCES", "BENCHMARK_RE", "COMPARED_CONFIG", "COMPARISONS", "CONFIG_FILE", "CSV_COLUMNS", "Evaluation",
     "FIGURES", "METRICS_FILE", "PRECISION_NAMES", "REAL_METRICS", "ReportError", "Run", "SAMPLES_DIR",
     "SUMMARY_FILE", "a_hat_points", "arc_check", "benchmark_keys", "build_report", "check_pair", "clipped_steps",
-    "compare_metric", "config_differences", "default_label", "evaluate_run", "example_values",
-    "find_metrics_files", "flatten", "is_main_metric", "load_run", "loss_ape", "main", "plot_amax",
+    "compare_measures", "compare_metric", "config_differences", "default_label", "evaluate_run", "example_values",
+    "find_metrics_files", "flatten", "is_main_metric", "load_run", "loss_ape", "main", "measure_tasks", "plot_amax",
     "plot_heatmap", "plot_loss_curves", "precision_name", "quantized", "read_config", "read_metrics",
-    "read_samples", "read_summary", "relative_drop", "render_markdown", "saturation_stats", "select_tensors",
+    "read_samples", "read_summary", "relative_drop", "render_markdown", "render_measures", "saturation_stats", "select_tensors",
     "warmup_switch_step", "write_csv",
 ]

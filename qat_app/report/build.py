@@ -11,7 +11,9 @@ from pathlib import Path
 from .. import stats
 from .compare import (arc_check, benchmark_keys, check_pair, compare_metric, evaluate_run, is_main_metric, loss_ape,
                       saturation_stats)
+from .distortion import kl_baseline_qat
 from .figures import FIGURES, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
+from .measures_table import compare_measures, measure_tasks
 from .runs import ReportError, Run, last_value, default_label, load_run, precision_name, quantized, warmup_switch_step
 from .tables import json_safe, render_markdown, write_csv
 
@@ -81,6 +83,8 @@ def build_report(
         log.warning("%s", message)
     base_eval = evaluate_run(baseline, keys, None, "baseline")
     forgetting = {k: compare_metric(k, initial, base_eval, resamples, seed) for k in keys} if initial else {}
+    tasks = measure_tasks(keys)
+    forgetting_measures = compare_measures(initial, base_eval, tasks)
 
     results = []
     for run in qats:
@@ -101,6 +105,10 @@ def build_report(
             "benchmarks": rows, "mean_relative_drop_pct": sum(main_drops) / len(main_drops) if main_drops else math.nan,
             "train_loss_ape_pct": ape, "ape_common_steps": n, "final_train_loss": last_value(run.train_loss()),
             "final_val_loss": run.last("val/loss"), "saturation": saturation_stats(run), "arc_check": arc_check(rows),
+            "kl_baseline_qat": kl_baseline_qat(baseline, run),
+            "measures": {name: m for name, m in (("forgetting", forgetting_measures),
+                                                 ("quantization", compare_measures(base_eval, q_eval, tasks)),
+                                                 ("total", compare_measures(initial, q_eval, tasks))) if m},
         })
 
     out = Path(out_dir)
@@ -121,7 +129,8 @@ def build_report(
                     "benchmarks": {k: forgetting[k]["from"] for k in keys}} if initial else None,
         "qat": results,
         "ci": {"method": "paired bootstrap, percentile", "level": stats.CONFIDENCE, "resamples": resamples, "seed": seed,
-               "test": "McNemar exact two-sided (acc metrics)"},
+               "test": "McNemar exact two-sided (acc metrics)",
+               "measures": "paired mean difference, normal interval, CR1 cluster-robust SE (qat_app.eval.measures)"},
         "warnings": warnings,
         "ape_from_step": ape_from_step,
         "amax_tensors": tensors,

@@ -18,11 +18,18 @@ COMPARISONS = {"forgetting": ("initial", "baseline"), "quantization": ("baseline
 
 
 # config fields a QAT run may set differently from its baseline: quantization and bookkeeping paths
-ALLOWED_CONFIG_DIFFERENCES = re.compile(
-    r"^(model\.quant|warmup|saturation|ckpt_path|run_dir|trainer\.default_root_dir)(\.|$)"
-    r"|^trainer\.logger(\.\d+)?\.init_args\.(save_dir|name|version)$"
-    r"|^trainer\.callbacks(\.\d+)?\.init_args\.dirpath$"
+# What changes a run's numbers, and so must match between a baseline and its QAT run: the model, data,
+# optimizer and schedule (``model.*``, ``data.*``), the seed, and the trainer settings of the arithmetic and
+# its length (steps, precision, accumulation, clipping, devices). Everything else -- checkpoint callbacks and
+# their directories, loggers, progress, logging intervals, the run directory -- changes no number and is
+# ignored, as are the quantization itself (``model.quant.*``: what the pair compares) and the evaluation's
+# example selection (``data.init_args.benchmarks``: the report pairs the examples both runs scored).
+COMPARED_CONFIG = re.compile(
+    r"^(seed_everything|model|data|trainer\.(max_steps|max_epochs|limit_train_batches|precision|"
+    r"accumulate_grad_batches|gradient_clip_val|gradient_clip_algorithm|devices|num_nodes|strategy|"
+    r"deterministic|limit_val_batches))(\.|$)"
 )
+ALLOWED_CONFIG_DIFFERENCES = re.compile(r"^(model\.quant|data\.init_args\.benchmarks)(\.|$)")
 
 
 @dataclass
@@ -118,11 +125,13 @@ def compare_metric(key: str, before: Evaluation, after: Evaluation, resamples: i
 
 
 def config_differences(base: dict, other: dict) -> list[str]:
-    """Fields (other than quantization and bookkeeping) in which two configs differ, as 'key: a vs b'."""
+    """Fields that change the numbers (:data:`COMPARED_CONFIG`, quantization aside) in which two configs differ,
+    as 'key: a vs b'."""
     a, b = flatten(base), flatten(other)
     return [f"{k}: {a.get(k, '<absent>')!r} vs {b.get(k, '<absent>')!r}"
             for k in sorted(set(a) | set(b), key=natural_key)
-            if a.get(k, "<absent>") != b.get(k, "<absent>") and not ALLOWED_CONFIG_DIFFERENCES.match(k)]
+            if a.get(k, "<absent>") != b.get(k, "<absent>") and COMPARED_CONFIG.match(k)
+            and not ALLOWED_CONFIG_DIFFERENCES.match(k)]
 
 
 def check_pair(baseline: Run, qat: Run, force: bool) -> list[str]:

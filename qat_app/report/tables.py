@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 
 from .compare import COMPARISONS, Evaluation
+from .distortion import render_distortion
+from .measures_table import MEASURE_CSV_COLUMNS, csv_rows, has_measures, render_measures
 from .runs import CONFIG_FILE, SUMMARY_FILE, Run, last_value, precision_name, quantized
 
 
@@ -87,6 +89,9 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
             lines.append("| **mean relative drop** (main metrics) |" + " |" * (len(head) - 2) + f" {_fmt(r['mean_relative_drop_pct'], '.2f')} |")
     notes = list(dict.fromkeys(notes))
     lines += [""] * bool(notes) + [f"- CI n/a: {note}; point values only" for note in notes[:10]]
+    if has_measures(results):
+        lines += render_measures(results, [r["label"] for r in results], initial is not None)
+    lines += render_distortion(results)
     since = f", steps ≥ {ape_from_step}" if ape_from_step else ""
     lines += ["", "## Training loss", "", f"| run | train-loss APE % (common steps{since}) | final train loss | final val loss |",
               "|---|---:|---:|---:|",
@@ -124,11 +129,12 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
 
 
 CSV_COLUMNS = ["run", "metric", "comparison", "value", "from", "to", "difference", "ci_low", "ci_high",
-               "mcnemar_p", "verdict", "n", "relative_drop_pct"]
+               "mcnemar_p", "verdict", "n", "relative_drop_pct", *MEASURE_CSV_COLUMNS]
 
 
 def write_csv(path: Path, results: list[dict]) -> None:
-    """One row per (QAT run, metric, comparison), then the run's scalars (APE, losses, saturation) in ``value``."""
+    """One row per (QAT run, metric, comparison), then the continuous measures' rows (metric
+    ``<split>/<task>/<measure>``), then the run's scalars (APE, losses, saturation) in ``value``."""
     def cell(v):
         return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else repr(v) if isinstance(v, float) else v
 
@@ -139,6 +145,8 @@ def write_csv(path: Path, results: list[dict]) -> None:
             for b in r["benchmarks"]:
                 for name, c in b["comparisons"].items():
                     w.writerow({k: cell(v) for k, v in {**c, "run": r["label"], "metric": b["metric"], "comparison": name}.items()})
+            for row in csv_rows(r):
+                w.writerow({k: cell(v) for k, v in row.items()})
             scalars = {"mean_relative_drop_pct": r["mean_relative_drop_pct"], "train_loss_ape_pct": r["train_loss_ape_pct"],
                        "final_train_loss": r["final_train_loss"], "final_val_loss": r["final_val_loss"]}
             scalars.update({f"saturation_{k}": v for k, v in (r["saturation"] or {}).items() if k not in ("source", "tensors_clipped")})
