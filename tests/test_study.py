@@ -102,6 +102,8 @@ def _report_numbers(out_dir: Path) -> dict:
     qat = [{k: v for k, v in r.items() if k not in ("path", "config")} for r in report["qat"]]
     for run in qat:
         run["saturation"] = {k: v for k, v in run["saturation"].items() if k != "source"}  # a file path
+        if run.get("kl_baseline_qat"):
+            run["kl_baseline_qat"] = {k: v for k, v in run["kl_baseline_qat"].items() if k != "files"}  # paths
     return {"baseline": report["baseline"]["benchmarks"], "initial": report["initial"]["benchmarks"], "qat": qat}
 
 
