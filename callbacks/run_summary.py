@@ -23,7 +23,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from qat_app.eval.measures import MeasureError, compare_records, verdict
-from qat_app.eval.records import SAMPLES_DIR, read_records, records_path
+from qat_app.eval.records import read_records, recorded_steps, records_path
 
 from .forgetting import DEFAULT_MEASURES, KL_METRIC, ForgettingMonitor, initial_records_candidates
 from .saturation import AmaxSaturationCallback
@@ -42,15 +42,10 @@ def summary_measures(monitor: ForgettingMonitor | None) -> list[str]:
     return ["acc", "acc_norm", *others]
 
 
-def final_records(log_dir: str | None) -> str | None:
-    """The last validation's records of this fit (the highest step > 0 in ``log_dir``)."""
-    directory = os.path.join(log_dir, SAMPLES_DIR) if log_dir else None
-    if not directory or not os.path.isdir(directory):
-        return None
-    steps = [int(n[len("val_step"):-len(".jsonl")]) for n in os.listdir(directory)
-             if n.startswith("val_step") and n.endswith(".jsonl") and n[len("val_step"):-len(".jsonl")].isdigit()]
-    steps = [s for s in steps if s > 0]
-    return records_path(log_dir, "val", max(steps)) if steps else None
+def final_step(log_dir: str | None) -> int | None:
+    """The step of this fit's last validation records (the highest step > 0 in ``log_dir``)."""
+    steps = [s for s in recorded_steps(log_dir) if s > 0] if log_dir else []
+    return steps[-1] if steps else None
 
 
 def forgetting_lines(trainer: L.Trainer, log_dir: str | None, metrics: dict[str, float]) -> list[str]:
@@ -61,7 +56,8 @@ def forgetting_lines(trainer: L.Trainer, log_dir: str | None, metrics: dict[str,
         here = records_path(log_dir, "val", 0) if log_dir else None
         found = [here] if here and os.path.exists(here) else initial_records_candidates(trainer, log_dir)
         initial = found[0] if found else None
-    final = final_records(log_dir)
+    step = final_step(log_dir)
+    final = records_path(log_dir, "val", step) if step is not None else None
     lines = []
     if initial and final:
         measures = summary_measures(monitor)
@@ -71,7 +67,6 @@ def forgetting_lines(trainer: L.Trainer, log_dir: str | None, metrics: dict[str,
             comparison = None
             lines.append(f"forgetting    - (cannot compare {_show(final)} with {_show(initial)}: {err})")
         if comparison is not None:
-            step = os.path.basename(final)[len("val_step"):-len(".jsonl")].lstrip("0")
             lines.append(f"forgetting    initial -> final (step {step}), paired over the same examples; "
                          "difference [95 % interval], verdict")
             for task, results in comparison.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +26,19 @@ INITIAL_TOPK_FILE = "initial_topk.pt"  # in the run directory (trainer.default_r
 FINAL_TOPK_FILE = "final_topk.pt"  # in the logger's directory
 
 
+RECORDS_NAME = re.compile(r"^(val|test)_step(\d+)\.jsonl$")  # the file names records_path writes
+
+
 def records_path(log_dir: str, prefix: str, step: int) -> str:
     """``<log_dir>/benchmark_samples/<prefix>_step<NNNNNNN>.jsonl``."""
     return os.path.join(log_dir, SAMPLES_DIR, f"{prefix}_step{step:07d}.jsonl")
+
+
+def recorded_steps(log_dir: str, prefix: str = "val") -> list[int]:
+    """The steps of ``log_dir``'s ``prefix`` records files, ascending ([] without any)."""
+    directory = os.path.join(log_dir, SAMPLES_DIR)
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(m.group(2)) for m in map(RECORDS_NAME.match, names) if m and m.group(1) == prefix)
 
 
 def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list | None, step: int) -> list[dict]:

@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import QATError
-from ..eval.records import SAMPLES_DIR  # where the training run writes its per-example records
+from ..eval.records import RECORDS_NAME, SAMPLES_DIR  # where the training run writes its per-example records
 
 
 METRICS_FILE = "metrics.csv"
 SUMMARY_FILE = "saturation_summary.json"
 CONFIG_FILE = "config.yaml"
 _VERSION_RE = re.compile(r"^version_(\d+)$")
-_SAMPLES_RE = re.compile(r"^(val|test)_step(\d+)\.jsonl$")
 PRECISION_NAMES = {"32-true": "fp32", "32": "fp32", "64-true": "fp64", "64": "fp64", "bf16-mixed": "BF16",
                    "bf16-true": "BF16", "bf16": "BF16", "16-mixed": "FP16", "16-true": "FP16", "16": "FP16"}
 
@@ -217,7 +216,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
             run.config, run.config_path = read_config(f.parent / CONFIG_FILE), f.parent / CONFIG_FILE
     for f in files:
         for sample in sorted((f.parent / SAMPLES_DIR).glob("*.jsonl")):
-            m = _SAMPLES_RE.match(sample.name)
+            m = RECORDS_NAME.match(sample.name)
             if m:
                 run.samples[(m.group(1), int(m.group(2)))] = sample
     return run
