@@ -1,7 +1,11 @@
+from .alarms import SpikeAlarm
+from .dashboard import TensorBoardDashboard
 from .forgetting import ForgettingMonitor
 from .initial_eval import InitialEvaluationCallback
+from .memory import MemoryMonitor
 from .model_summary import QATModelSummary
 from .progress_log import StepLogCallback
+from .quantized_modules import QuantizedModulesCallback
 from .rng import RNGStateCallback
 from .run_summary import RunSummaryCallback
 from .saturation import AmaxSaturationCallback
@@ -11,5 +15,7 @@ from .warmup import BF16WarmupCallback
 
 __all__ = [
     "AmaxSaturationCallback", "BF16WarmupCallback", "ForgettingMonitor", "InitialEvaluationCallback", "QATModelSummary",
+    "QuantizedModulesCallback",
     "RNGStateCallback", "RunSummaryCallback", "StepLogCallback", "StepProgressBar", "TokenThroughputMonitor",
+    "MemoryMonitor", "SpikeAlarm", "TensorBoardDashboard",
 ]

@@ -58,12 +58,13 @@ from typing import Literal, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from qat_app import stats
 from qat_app.errors import ConfigError, did_you_mean
 from qat_app.eval.measures import MEASURES, MeasureError, compare_records, resolve_measures, verdict
 from qat_app.eval.records import SAMPLES_DIR, read_records, records_path
+
+from .stopping import stop_with_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -387,18 +388,11 @@ class ForgettingMonitor(L.Callback):
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
 
     def _stop(self, trainer, log_dir: str | None) -> None:
-        checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
-        directory = (checkpoint.dirpath if checkpoint is not None and checkpoint.dirpath else None) or log_dir \
-            or trainer.default_root_dir
-        path = os.path.join(directory, STOP_FILE.format(step=trainer.global_step))
-        trainer.save_checkpoint(path)  # a collective: every rank
-        trainer.should_stop = True
+        path, command = stop_with_checkpoint(trainer, log_dir, STOP_FILE.format(step=trainer.global_step))
         self.stop_checkpoint = path
         if trainer.is_global_zero:
-            config = os.path.join(log_dir, "config.yaml") if log_dir else None
-            config = config if config and os.path.exists(config) else "<the run's config.yaml>"
             message = (f"forgetting: stopping at step {trainer.global_step} (forgetting.action=stop); checkpoint "
-                       f"{path}. Resume with: python main.py fit --config {config} --ckpt_path {path} "
+                       f"{path}. Resume with: {command} "
                        "(with a lower --model.lr, or --forgetting.action warn to go on as before)")
             log.warning(message)
             print(message, flush=True)

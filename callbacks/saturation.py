@@ -8,10 +8,23 @@ every Lightning logger:
   sat/min_headroom                             min over tensors of a_hat / amax (quantized steps)
   sat/<layer>.<tensor>/clipped_frac            per layer and tensor (input, weight, grad)
   amax/<layer>.<tensor>, a_hat/<layer>.<tensor> true amax vs the estimate it was quantized with
+  whatif/<algo>/clipped, whatif/<algo>/events  what each estimator (most_recent, exp_smooth, max, current)
+                                               would have clipped on the same tensors with the same
+                                               histories: elements, and tensors with >= 1 (every step)
+  health/<tensor>/sqnr_db, .../underflow_frac, .../outlier_factor, .../tier/<mant3|mant2|mant1|denormal|zero>
+  health/min_sqnr_db, health/underflow_frac    numeric health (every ``log_every_n_steps``)
 (per-layer keys every ``log_every_n_steps``; a_hat only once the tensor is quantized). "Clipped"
 means the clamp changed the quantized value (:mod:`qat_app.hif8.fake_quant`); fractions are of the
-elements of quantized forwards only (the BF16 warmup quantizes nothing). At the end of fit it writes
-``saturation_summary.json`` (run totals, per tensor and overall) into the logger's directory.
+elements of quantized forwards only (the BF16 warmup quantizes nothing). The what-if counts and the health
+figures are defined in :mod:`qat_app.hif8.health`; health is measured only on the steps it is logged for
+(the callback switches it on before their forwards), and non-finite figures (an SQNR of a tensor quantized
+without error, an undefined outlier factor) are not logged. At the end of fit it writes
+``saturation_summary.json`` (run totals, per tensor and overall; what-if totals per estimator; the last
+logged health of each tensor and its worst SQNR, worst first) into the logger's directory.
+
+Before DDP wraps the model it tells DDP not to broadcast the scalers' buffers
+(:func:`qat_app.hif8.scaling.keep_scalers_out_of_ddp_broadcast`): rank 0's would overwrite each rank's own
+run totals, which are summed over the ranks when read.
 """
 
 from __future__ import annotations
@@ -25,8 +38,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, HEALTH_LEN, WHATIF_ALGOS, summarize
 from qat_app.hif8.patch import quantized_linears
-from qat_app.hif8.scaling import sum_over_ranks
+from qat_app.hif8.quantized import set_health_measurement
+from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast, sum_over_ranks
 
 log = logging.getLogger(__name__)
 # per step: (amax, a_hat, headroom) are identical on every rank; the element counts are summed
@@ -34,6 +49,8 @@ FIELDS = ("last_amax", "last_a_hat", "last_headroom")
 COUNT_FIELDS = ("last_clipped", "last_numel")
 TOTAL_FIELDS = ("saturation_events", "quantized_steps", "min_headroom", "a_hat", "scale", "steps_recorded")
 TOTAL_COUNT_FIELDS = ("total_clipped", "total_numel")
+WHATIF_COUNT = "last_whatif_clipped"  # per estimator: summed over the ranks
+HEALTH = "health_last"  # the last step's health vector (zeros where none was measured)
 
 
 def _short(name: str) -> str:
@@ -49,49 +66,100 @@ def named_scalers(model) -> list[tuple[str, object]]:
     return pairs
 
 
-def gather(pairs, fields, count_fields=()) -> list[list[float]]:
-    """All requested buffers of all scalers in one host transfer; ``count_fields`` (appended after
-    ``fields``) summed over the data-parallel ranks first. A collective when ``count_fields`` is given:
-    call it on every rank.
+def _flat(scaler, field: str) -> torch.Tensor:
+    """A field of a scaler as a flat float64 vector: a buffer (0-d or a vector), or :data:`HEALTH` (zeros where
+    the last step measured nothing, so that every rank stacks the same shape)."""
+    if field == HEALTH:
+        vector = scaler.health_last
+        return torch.zeros(HEALTH_LEN, dtype=torch.float64, device=scaler.scale.device) if vector is None else vector
+    return getattr(scaler, field).double().reshape(-1)
+
+
+def gather_columns(pairs, fields, count_fields=()) -> dict[str, torch.Tensor]:
+    """All requested fields of all scalers in one host transfer: field -> a CPU float64 tensor, ``[n]`` for a
+    0-d buffer, ``[n, k]`` for a vector. ``count_fields`` are summed over the data-parallel ranks first; a
+    collective when given: call it on every rank.
 
     Each rank quantizes its own share of the activations and gradients, so theirs are summed; the
     weight is the same tensor on every rank (replicated, or unsharded for the forward under FSDP), so
     its counts are rank 0's alone, as one process would count them.
     """
     if not pairs:
-        return []
-    stacked = torch.stack([torch.stack([getattr(s, f).double() for f in fields]) for _, s in pairs])
+        return {}
+    names = (*fields, *count_fields)
+    first = pairs[0][1]
+    widths = [_flat(first, f).numel() for f in names]
+    stacked = torch.stack([torch.cat([_flat(s, f) for f in fields]) for _, s in pairs]) if fields else None
     if count_fields:
-        counts = torch.stack([torch.stack([getattr(s, f).double() for f in count_fields]) for _, s in pairs])
+        counts = torch.stack([torch.cat([_flat(s, f) for f in count_fields]) for _, s in pairs])
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             replicated = torch.tensor([name.endswith(".weight") for name, _ in pairs], device=counts.device)
             counts = counts.masked_fill(replicated[:, None], 0.0)
-        stacked = torch.cat([stacked, sum_over_ranks(counts)], dim=1)
-    return stacked.cpu().tolist()
+        counts = sum_over_ranks(counts)
+        stacked = counts if stacked is None else torch.cat([stacked, counts], dim=1)
+    columns = stacked.cpu().split(widths, dim=1)
+    return {f: c.squeeze(1) if f != HEALTH and getattr(first, f).dim() == 0 else c for f, c in zip(names, columns)}
+
+
+def gather(pairs, fields, count_fields=()) -> list[list[float]]:
+    """:func:`gather_columns` of 0-d buffers as rows, one per scaler: ``fields`` then ``count_fields``."""
+    columns = gather_columns(pairs, fields, count_fields)
+    if not columns:
+        return []
+    return torch.stack([columns[f] for f in (*fields, *count_fields)], dim=1).tolist()
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 class AmaxSaturationCallback(L.Callback):
     """Args:
         per_layer: log the per-layer keys (every ``trainer.log_every_n_steps``).
         summary_file: name of the JSON summary written at the end of fit (None: none).
+        health: measure and log numeric health every ``trainer.log_every_n_steps`` (per tensor with ``per_layer``).
     """
 
-    def __init__(self, per_layer: bool = True, summary_file: str | None = "saturation_summary.json") -> None:
+    def __init__(self, per_layer: bool = True, summary_file: str | None = "saturation_summary.json",
+                 health: bool = True) -> None:
         self.per_layer = per_layer
         self.summary_file = summary_file
+        self.health = health
         self._logged_step = -1
+        self._measuring = False  # the quantized matmuls' health switch, as last set
         self.summary_path: str | None = None
         self.first_clipped_step: dict[str, int] = {}  # tensor -> first optimizer step that clipped
+        self.health_last: dict[str, dict] = {}  # tensor -> its last logged health figures (and their step)
+        self.health_worst: dict[str, dict] = {}  # tensor -> {"sqnr_db", "step"}: its lowest logged SQNR
 
     def state_dict(self) -> dict:
-        return {"first_clipped_step": dict(self.first_clipped_step)}
+        return {"first_clipped_step": dict(self.first_clipped_step), "health_last": dict(self.health_last),
+                "health_worst": dict(self.health_worst)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.first_clipped_step = dict(state_dict.get("first_clipped_step", {}))
+        self.health_last = dict(state_dict.get("health_last", {}))
+        self.health_worst = dict(state_dict.get("health_worst", {}))
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before the strategy wraps the module: DDP must not overwrite each rank's counters with rank 0's
+        keep_scalers_out_of_ddp_broadcast(pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # a resumed run logged the step before the checkpoint already: start with the next one
         self._logged_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        # health is measured on the steps it is logged for: those completing step global_step + 1 (below)
+        measure = self.health and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
+        if measure != self._measuring:
+            set_health_measurement(pl_module.model, measure)
+            self._measuring = measure
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._measuring:
+            set_health_measurement(pl_module.model, False)
+            self._measuring = False
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
@@ -101,7 +169,10 @@ class AmaxSaturationCallback(L.Callback):
         pairs = named_scalers(pl_module.model)
         if not pairs:
             return
-        rows = gather(pairs, FIELDS, COUNT_FIELDS)
+        log_layers = step % max(1, trainer.log_every_n_steps) == 0
+        health_step = self.health and log_layers  # the step that ended was measured (on_train_batch_start)
+        columns = gather_columns(pairs, FIELDS, COUNT_FIELDS + (WHATIF_COUNT,) + ((HEALTH,) if health_step else ()))
+        rows = torch.stack([columns[f] for f in FIELDS + COUNT_FIELDS], dim=1).tolist()
         clipped = sum(r[3] for r in rows)
         numel = sum(r[4] for r in rows)
         for (name, _), row in zip(pairs, rows):
@@ -115,7 +186,13 @@ class AmaxSaturationCallback(L.Callback):
         }
         if headrooms:
             metrics["sat/min_headroom"] = min(headrooms)
-        if self.per_layer and step % max(1, trainer.log_every_n_steps) == 0:
+        whatif = columns[WHATIF_COUNT]
+        for k, algo in enumerate(WHATIF_ALGOS):
+            metrics[f"whatif/{algo}/clipped"] = float(whatif[:, k].sum())
+            metrics[f"whatif/{algo}/events"] = float((whatif[:, k] > 0).sum())
+        if health_step:
+            metrics.update(self._health_metrics(pairs, columns, step - 1))
+        if self.per_layer and log_layers:
             for (name, _), (amax, a_hat, _headroom, n_clipped, n_seen) in zip(pairs, rows):
                 metrics[f"amax/{name}"] = amax
                 if n_seen:  # quantized this step: the estimate it used, and what it clipped
@@ -127,23 +204,62 @@ class AmaxSaturationCallback(L.Callback):
         pl_module.log("sat/clipped", clipped, on_step=True, prog_bar=True, logger=False)
         pl_module.log("sat/clipped_frac", metrics["sat/clipped_frac"], on_step=True, prog_bar=True, logger=False)
 
+    def _health_metrics(self, pairs, columns: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """The health figures of ``step`` (the one that ended), per tensor (with ``per_layer``) and over the run;
+        updates each tensor's last and worst figures."""
+        vectors = columns[HEALTH]
+        figures = summarize(vectors, columns["last_amax"])
+        numel, underflow = (vectors[:, HEALTH_FIELDS.index(f)] for f in ("numel", "underflow"))
+        measured = (numel > 0).tolist()
+        metrics: dict[str, float] = {}
+        sqnrs = []
+        for index, (name, _) in enumerate(pairs):
+            if not measured[index]:
+                continue
+            values = {key: float(value[index]) for key, value in figures.items()}
+            if self.per_layer:
+                metrics.update({f"health/{name}/{key}": v for key, v in values.items() if math.isfinite(v)})
+            self.health_last[name] = {"step": step, **{key: _finite_or_none(v) for key, v in values.items()}}
+            sqnr = values["sqnr_db"]
+            if not math.isnan(sqnr):
+                sqnrs.append(sqnr)
+                worst = self.health_worst.get(name)
+                if worst is None or sqnr < worst["sqnr_db"]:
+                    self.health_worst[name] = {"sqnr_db": sqnr, "step": step}
+        if sqnrs and math.isfinite(min(sqnrs)):
+            metrics["health/min_sqnr_db"] = min(sqnrs)
+        if any(measured):
+            metrics["health/underflow_frac"] = float(underflow.sum()) / float(numel.sum())
+        return metrics
+
     def summary(self, pl_module: L.LightningModule) -> dict:
         """Run totals over all ranks (a collective: call it on every rank)."""
         pairs = named_scalers(pl_module.model)
-        rows = gather(pairs, TOTAL_FIELDS, TOTAL_COUNT_FIELDS)
+        columns = gather_columns(pairs, TOTAL_FIELDS + ("whatif_events",),
+                                 TOTAL_COUNT_FIELDS + ("total_whatif_clipped",))
+        rows = torch.stack([columns[f] for f in TOTAL_FIELDS + TOTAL_COUNT_FIELDS], dim=1).tolist() if pairs else []
 
-        def finite_or_none(value: float) -> float | None:
-            return value if math.isfinite(value) else None
+        def whatif_of(index: int) -> dict[str, dict[str, int]]:
+            clipped, events = columns["total_whatif_clipped"][index], columns["whatif_events"][index]
+            return {algo: {"clipped": int(clipped[k]), "events": int(events[k])} for k, algo in enumerate(WHATIF_ALGOS)}
+
+        def health_of(name: str) -> dict:
+            worst = self.health_worst.get(name, {})
+            return {"last": self.health_last.get(name), "worst_sqnr_db": _finite_or_none(worst.get("sqnr_db", math.nan)),
+                    "worst_sqnr_step": worst.get("step")}
 
         tensors = {
             name: {
                 "clipped": int(r[6]), "seen": int(r[7]), "clipped_frac": r[6] / r[7] if r[7] else 0.0,
-                "saturation_events": int(r[0]), "quantized_steps": int(r[1]), "min_headroom": finite_or_none(r[2]),
+                "saturation_events": int(r[0]), "quantized_steps": int(r[1]), "min_headroom": _finite_or_none(r[2]),
                 "first_clipped_step": self.first_clipped_step.get(name),
                 "a_hat": r[3], "scale": r[4], "steps_recorded": int(r[5]),
+                "whatif": whatif_of(index), "health": health_of(name),
             }
-            for (name, _), r in zip(pairs, rows)
+            for index, ((name, _), r) in enumerate(zip(pairs, rows))
         }
+        # tensors by their worst logged SQNR, lowest first (an SQNR of inf: quantized without error, last)
+        worst_first = sorted(self.health_worst.items(), key=lambda item: item[1]["sqnr_db"])
         clipped = sum(t["clipped"] for t in tensors.values())
         seen = sum(t["seen"] for t in tensors.values())
         headrooms = [t["min_headroom"] for t in tensors.values() if t["min_headroom"] is not None]
@@ -157,8 +273,18 @@ class AmaxSaturationCallback(L.Callback):
             "first_clipped_step": min(self.first_clipped_step.values(), default=None),
             "min_headroom": min(headrooms, default=None),
             "tensors_clipped": [name for name, t in tensors.items() if t["clipped"] > 0],
+            "whatif": {algo: {key: sum(t["whatif"][algo][key] for t in tensors.values())
+                              for key in ("clipped", "events")} for algo in WHATIF_ALGOS},
+            "health_worst": [{"tensor": name, "worst_sqnr_db": _finite_or_none(w["sqnr_db"]), "step": w["step"],
+                              "last": self.health_last.get(name)} for name, w in worst_first],
             "definition": "clipped: the clamp to +-max_val changed the element's quantized value; seen: elements of "
-                          "quantized forwards, summed over data-parallel ranks; headroom: a_hat / amax of a quantized step",
+                          "quantized forwards, summed over data-parallel ranks; headroom: a_hat / amax of a quantized step; "
+                          "whatif: what each estimator would have clipped on the same tensor with the same history (to "
+                          "first order: on the trajectory actually trained), events: steps with >= 1 such element; "
+                          "health: measured on logged steps (qat_app.hif8.health): SQNR in dB of x vs its fake "
+                          "quantization, underflow: non-zero elements quantized to 0 over all elements, outlier factor: "
+                          "amax / p99.9(|x|) (p99.9 from a ~9 % log histogram: at most 12.5 % high), tiers: fractions of "
+                          "elements by the mantissa bits of their quantized value",
             "tensors": tensors,
         }
 

@@ -5,7 +5,8 @@ constructor argument is a flag, e.g. ``--model.quant.amax_algo most_recent``, ``
 ``--model.lr 1e-4``, ``--data.global_batch_size 256``. The extra subcommands (:data:`EXTRA_COMMANDS`) are plain
 argparse programs: ``report`` builds the paper-style results table and figures from run logs
 (:mod:`qat_app.report`), ``export`` writes an 8-bit HiF8 or a plain HF export of a checkpoint
-(:mod:`qat_app.export`, also ``python -m qat_app.export``).
+(:mod:`qat_app.export`, also ``python -m qat_app.export``), ``inspect`` ranks the quantized layers by the SQNR of
+their HiF8 output against high precision (:mod:`qat_app.inspection`, with ``validate``'s model and data flags).
 
 :class:`QATCLI` is the wiring: the arguments, the calls of the start-up checks (before anything is written)
 and the translation of errors. The checks live elsewhere: the settings in :mod:`qat_app.preflight`
@@ -27,9 +28,10 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from callbacks import MemoryMonitor, SpikeAlarm, TensorBoardDashboard
 from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, ForgettingMonitor, InitialEvaluationCallback,
-                       QATModelSummary, RNGStateCallback, RunSummaryCallback, StepLogCallback, StepProgressBar,
-                       TokenThroughputMonitor)
+                       QATModelSummary, QuantizedModulesCallback, RNGStateCallback, RunSummaryCallback, StepLogCallback,
+                       StepProgressBar, TokenThroughputMonitor)
 from qat_app import preflight
 from qat_app.checkpoint import (check_given_checkpoint, is_checkpoint_file_arg, log_replaced_settings, resolve_ckpt_path,
                                 settings_dict)
@@ -56,10 +58,14 @@ class QATCLI(LightningCLI):
         parser.add_lightning_class_args(BF16WarmupCallback, "warmup")
         parser.add_lightning_class_args(AmaxSaturationCallback, "saturation")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
+        parser.add_lightning_class_args(MemoryMonitor, "memory")
+        parser.add_lightning_class_args(TensorBoardDashboard, "dashboard")
         parser.add_lightning_class_args(StepLogCallback, "step_log")
         parser.add_lightning_class_args(InitialEvaluationCallback, "initial_eval")
         # after "initial_eval": compares every later validation's benchmark records with the step-0 ones
         parser.add_lightning_class_args(ForgettingMonitor, "forgetting")
+        # loss / gradient-norm spikes and non-finite steps, read once per optimizer step
+        parser.add_lightning_class_args(SpikeAlarm, "alarms")
         # after "saturation": its on_fit_end writes the totals the summary reads
         parser.add_lightning_class_args(RunSummaryCallback, "summary")
         parser.add_argument(
@@ -170,21 +176,26 @@ def cli_kwargs() -> dict:
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"exit_on_error": False},  # errors reach QATCLI.parse_arguments, which explains them
-        # always on, no settings: RNG states of every rank in checkpoints (exact resume)
-        trainer_defaults={"callbacks": [RNGStateCallback()]},
+        # always on, no settings: RNG states of every rank in checkpoints (exact resume); quantized_modules.json
+        trainer_defaults={"callbacks": [RNGStateCallback(), QuantizedModulesCallback()]},
     )
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> QATCLI:
     """``args=None`` reads ``sys.argv`` (a list: as if typed, for tests); ``run=False`` only builds model,
     data and trainer (no subcommand), as :mod:`tests.test_configs` does for every shipped config."""
+    configure_logging()
+    return QATCLI(**cli_kwargs(), args=args, run=run)
+
+
+def configure_logging() -> None:
+    """The log format and the quieted libraries of the LightningCLI entry points (fit / validate / test, inspect)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # datasets' file readers log a traceback before raising; the error is reported once, as DataError
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
     quiet_library_notices()
-    return QATCLI(**cli_kwargs(), args=args, run=run)
 
 
 # LightningCLI's subcommands (it also has ``predict``, which QATModule does not implement)
@@ -194,6 +205,7 @@ EXTRA_COMMANDS = {
     "report": ("qat_app.report", "the paper's results table and figures from run logs"),
     "export": ("qat_app.export", "8-bit HiF8 (or plain HF) export of a QATModule checkpoint"),
     "study": ("qat_app.study", "run a study: the initial evaluation, every run of a study file, the reports"),
+    "inspect": ("qat_app.inspection", "per quantized layer, HiF8 vs high-precision output SQNR; what to keep in high precision"),
 }
 
 

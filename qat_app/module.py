@@ -128,6 +128,7 @@ class QATModule(L.LightningModule):
         self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
         self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step
         self._step_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: torch.Tensor | None = None  # the last optimizer step's (device tensor; callbacks.alarms)
         self.evaluator = None  # built lazily when benchmark batches arrive
         self._flops = FlopsModel(self.model)
         self._batch_shape: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the last batch
@@ -158,6 +159,7 @@ class QATModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         grad_norm = global_grad_norm(_gradients(optimizer), self.device)
         self._step_grad_norm = grad_norm  # reused by configure_gradient_clipping
+        self.last_grad_norm = grad_norm.detach()  # read once per step with the loss by callbacks.alarms (no extra sync)
         self.log("train/grad_norm", grad_norm, on_step=True)
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, prog_bar=True)
         bad = ~torch.isfinite(grad_norm)

@@ -178,6 +178,11 @@ SETTING_ROWS = [
      r"forgetting\.enabled: true compares with the initial evaluation, but initial_eval\.enabled is false"),
     ("forgetting task not evaluated", [*_bench(tasks=["arc_challenge"], limit=3), "--forgetting.tasks", '["arc_challeng"]'],
      r"forgetting\.tasks: unknown task 'arc_challeng' \(did you mean arc_challenge\?\); evaluated tasks: arc_challenge$"),
+    ("alarms window < 3", ["--alarms.window", "2"], r"alarms\.window: must be an integer >= 3 \(steps\), got 2"),
+    ("alarms z threshold 0", ["--alarms.z_threshold", "0"], r"alarms\.z_threshold: must be a number > 0, got 0"),
+    ("alarms min_history over the window", ["--alarms.window", "8", "--alarms.min_history", "9"],
+     r"alarms\.min_history: must be an integer from 3 to alarms\.window \(8\), got 9"),
+    ("unknown alarms action", ["--alarms.action", "halt"], r"alarms\.action=halt: expected one of warn, stop"),
     ("run_dir outside the config's paths", ["--trainer.logger.init_args.save_dir", "/elsewhere/logs", "--run_dir", "somewhere"],
      r"--run_dir somewhere: trainer\.logger\[0\]\.init_args\.save_dir=/elsewhere/logs is not under trainer\.default_root_dir"),
 ]
@@ -574,7 +579,51 @@ def test_bad_report(args, pattern, finished_run, tmp_path, capsys):
     assert not (tmp_path / "report").exists()
 
 
+# --------------------------------------------------------------------------------------------- inspect
+def _without_history(good, d) -> str:
+    """The run's checkpoint with every scaler's history wiped: a QATModule checkpoint that holds no scales."""
+    ckpt = torch.load(good, weights_only=True)
+    for key, value in ckpt["state_dict"].items():
+        if key.endswith(("steps_recorded", "amax_history")):
+            value.zero_()
+    torch.save(ckpt, d / "no_scales.ckpt")
+    return str(d / "no_scales.ckpt")
+
+
+INSPECT_ROWS = [  # (flags after --config <the run's config>, the error)
+    ("no batches", ["--batches", "0"], r"--batches: must be >= 1, got 0"),
+    ("no held-out text", ["--split", "val", "--data.init_args.val_documents", "0"],
+     r"--split val: data\.val_documents=0 holds no document out; set --data\.init_args\.val_documents N or use --split train"),
+    ("calibration takes every batch", ["--split", "val", "--calibration_batches", "500"],
+     r"no batches available to compare: held-out text .* gives \d+ batches, all taken by the 500 of the calibration"),
+    ("missing checkpoint", ["--ckpt_path", "{tmp}/nope.ckpt"], r"checkpoint .*nope\.ckpt does not exist"),
+    ("checkpoint without scales", ["--ckpt_path", "{no_scales}"],
+     r"--ckpt_path .*no_scales\.ckpt: no amax history \(steps_recorded == 0 in all \d+ scalers\)"),
+    ("calibration of a checkpoint", ["--ckpt_path", "{last}", "--calibration", "current"],
+     r"--calibration / --calibration_batches: a --ckpt_path checkpoint brings its own scales"),
+    ("missing config", ["--config", "{tmp}/nope.yaml"], r"--config .*nope\.yaml: no such file"),
+]
+
+
+@pytest.mark.parametrize("args,pattern", [r[1:] for r in INSPECT_ROWS], ids=[r[0] for r in INSPECT_ROWS])
+def test_bad_inspect(args, pattern, finished_run, tmp_path, capsys):
+    run_dir, config = finished_run
+    last = run_dir / "ckpt" / "last.ckpt"
+    given = [a.format(tmp=tmp_path, last=last, no_scales=_without_history(last, tmp_path) if "{no_scales}" in a else "")
+             for a in args]
+    _refused_without_writing(["inspect", "--config", config, *given, "--out", tmp_path / "inspect"], run_dir, pattern,
+                             capsys)
+    assert not (tmp_path / "inspect").exists()
+
+
+def test_inspect_refuses_a_checkpoint_of_an_unquantized_run(finished_run, unquantized_run, capsys):
+    run_dir, config = finished_run
+    _refused_without_writing(["inspect", "--config", config, "--ckpt_path", unquantized_run], run_dir,
+                             r"--ckpt_path .*last\.ckpt: no quantized layer in it \(a run with model\.quant\.enabled=false\)",
+                             capsys)
+
+
 def test_the_table_has_at_least_80_cases():
     rows = (len(SETTING_ROWS) + len(CONFIG_FILE_ROWS) + 1 + len(MODEL_ROWS) + len(DATA_ROWS) + 1 + len(CKPT_ROWS) + 2
-            + len(LAST_ROWS) + 2 * len(CHANGED_ON_RESUME) + 1 + 1 + len(EXPORT_ROWS) + len(REPORT_ROWS))
+            + len(LAST_ROWS) + 2 * len(CHANGED_ON_RESUME) + 1 + 1 + len(EXPORT_ROWS) + len(REPORT_ROWS) + len(INSPECT_ROWS) + 1)
     assert rows >= 80, rows

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 import main as cli
+from qat_app.hif8.patch import quantized_linears
 from tests._cli_runs import HISTORY, STEPS, WARMUP, write_config
 
 
@@ -34,6 +35,10 @@ def test_fit_crosses_the_warmup_switch(tmp_path, tiny_model_dir, tiny_corpus):
     assert any(k.startswith("a_hat/") for k in rows[0]) and any(k.startswith("amax/") for k in rows[0])
     summary = json.load(open(os.path.join(trainer.logger.log_dir, "saturation_summary.json")))
     assert summary["global_step"] == STEPS and summary["quantized_tensors"] > 0
+    # quantized_modules.json lists exactly the quantized matmuls; the config's boundary block stays in high precision
+    inventory = json.load(open(os.path.join(trainer.logger.log_dir, "quantized_modules.json")))
+    assert [m["name"] for m in inventory["modules"]] == [n for n, _ in quantized_linears(run.model.model)]
+    assert inventory["high_precision_blocks"] == [0] and inventory["quantized_blocks"] == [1, 2]
     # checkpoints were written and carry the amax histories
     assert os.path.exists(tmp_path / "ckpt" / "last.ckpt")
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)

@@ -16,8 +16,8 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import main as cli
-from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, RNGStateCallback, RunSummaryCallback, StepLogCallback,
-                       StepProgressBar, TokenThroughputMonitor)
+from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, QuantizedModulesCallback, RNGStateCallback,
+                       RunSummaryCallback, StepLogCallback, StepProgressBar, TokenThroughputMonitor)
 from qat_app.module import QATModule
 from qat_app.preflight import check_fit_settings
 
@@ -78,7 +78,7 @@ def test_config_instantiates(config, tmp_path, monkeypatch, deep_tiny_model_dir)
     # the always-on callbacks, the default step progress bar, the configured checkpointing (under tmp_path)
     kinds = {type(c) for c in trainer.callbacks}
     assert {BF16WarmupCallback, AmaxSaturationCallback, TokenThroughputMonitor, StepLogCallback, RunSummaryCallback,
-            RNGStateCallback, StepProgressBar} <= kinds
+            RNGStateCallback, QuantizedModulesCallback, StepProgressBar} <= kinds
     assert isinstance(trainer.progress_bar_callback, StepProgressBar)
     checkpoints = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
     configured_ckpt = [c for c in trainer_spec.get("callbacks", []) if c["class_path"].endswith("ModelCheckpoint")]

@@ -291,7 +291,7 @@ def test_checkpoint_errors(tmp_path, capsys):
     assert "not a QATModule checkpoint" in capsys.readouterr().err
 
 
-def test_cli_from_lightning_checkpoint(tmp_path, tiny_model_dir):
+def test_cli_from_lightning_checkpoint(tmp_path, tiny_model_dir, capsys):
     """A QATModule checkpoint -> hif8 and hf exports via the CLI; the hif8 reload equals the module's forward."""
     import lightning as L
 
@@ -316,6 +316,11 @@ def test_cli_from_lightning_checkpoint(tmp_path, tiny_model_dir):
     loaded = load_hif8(tmp_path / "h8")
     assert torch.equal(logits(loaded, ids), logits(module.model, ids))
     assert os.path.isfile(tmp_path / "h8" / "tokenizer_config.json")
+    for export in ("h8", "hf"):  # what the QAT model quantized, in both exports
+        inventory = json.loads((tmp_path / export / "quantized_modules.json").read_text())
+        assert [m["name"] for m in inventory["modules"]] == [n for n, _ in quantized_linears(module.model)]
+        assert inventory["high_precision_blocks"] == [0]
+    assert "6 quantized modules in blocks 1-2 of 3" in capsys.readouterr().out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -460,3 +460,28 @@ def test_test_stage_records_of_a_later_version(tmp_path):
     row = {b["metric"]: b for b in report["qat"][0]["benchmarks"]}["test/arc_challenge/acc"]
     q = row["comparisons"]["quantization"]
     assert (row["baseline"], row["qat"], q["n"], q["verdict"]) == (0.6, 0.3, 100, "worse")
+
+
+def test_quantized_modules_per_run(paper_runs, tmp_path, tiny_llama):
+    """Each QAT run's quantized_modules.json: the count and the high-precision blocks; an older run without it
+    still reports, and says so."""
+    from qat_app.config import QuantConfig, quantize_model
+    from qat_app.hif8.inventory import INVENTORY_FILE, quantization_inventory
+
+    base, qat = paper_runs
+    quant = QuantConfig(high_precision_layers=3, fused="off")
+    quantize_model(tiny_llama, quant)  # blocks 0-1 and 3 of 4 stay in high precision
+    (qat / "logs" / "version_0" / INVENTORY_FILE).write_text(json.dumps(quantization_inventory(tiny_llama, quant.selection)))
+    older = make_run(tmp_path / "older", True, final=records("arc_challenge", _correct(1000, 420), 3))
+    report = rp.build_report(base, [qat, older], tmp_path / "out", labels=["new", "old"])
+    new, old = report["qat"]
+    assert new["quantized_modules"]["quantized_modules"] == 3 and new["quantized_modules"]["high_precision_blocks"] == [0, 1, 3]
+    assert old["quantized_modules"] is None
+    md = (tmp_path / "out" / "results.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("- QAT `new`"))
+    assert "3 quantized modules, high-precision blocks 0-1, 3" in line
+    line = next(x for x in md.splitlines() if x.startswith("- QAT `old`"))
+    assert f"quantized modules not recorded (no {INVENTORY_FILE}" in line
+    rows = {(r["run"], r["metric"]): r["value"] for r in csv.DictReader(open(tmp_path / "out" / "results.csv"))}
+    assert rows["new", "quantized_modules"] == "3" and rows["new", "high_precision_blocks"] == "3"
+    assert ("old", "quantized_modules") not in rows

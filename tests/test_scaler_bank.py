@@ -124,4 +124,4 @@ def test_op_count_does_not_grow_with_the_number_of_scalers():
         return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
     small, large = ops(8), ops(512)
-    assert small == large < 100  # a constant (views and indexing included), not ~46 per scaler
+    assert small == large < 128  # a constant (views and indexing included; ~110 with the what-if state), not ~46 per scaler

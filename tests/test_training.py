@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from qat_app.hif8.patch import convert_to_hif8_training, quantized_linears
 from qat_app.hif8.recipe import HiF8Recipe, LayerSelection, RuntimeOptions
+from qat_app.hif8.scaler_bank import SYNC_WIDTH
 from qat_app.hif8.scaling import all_scalers
 from qat_app.hif8.training import sync_and_advance
 
@@ -167,8 +168,9 @@ def test_data_parallel_path_is_one_max_all_reduce_per_step(one_process_group, mo
             m.setattr(dist, "get_world_size", lambda group=None: 1)
             assert sync_and_advance(plain, nonfinite=torch.tensor(False)) is False
         assert sync_and_advance(parallel, nonfinite=torch.tensor(False)) is False
-        # one MAX all-reduce per step on one flat buffer: (step amax, seen, clipped) per scaler + the skip flag
-        assert calls == [(3 * n + 1, dist.ReduceOp.MAX)] * step
+        # one MAX all-reduce per step on one flat buffer: (step amax, seen, clipped, what-if clipped) per scaler
+        # + the skip flag
+        assert calls == [(SYNC_WIDTH * n + 1, dist.ReduceOp.MAX)] * step
         for a, b in zip(all_scalers(parallel), all_scalers(plain), strict=True):
             for key in STATE:
                 assert torch.equal(getattr(a, key), getattr(b, key)), key
@@ -182,4 +184,4 @@ def test_data_parallel_path_is_one_max_all_reduce_per_step(one_process_group, mo
     assert_state(parallel, [{k: b[k] for k in STATE} for b in before])
     # without a flag there is nothing to decide: still one collective, never a skip
     forward_backward(parallel, seed=4)
-    assert sync_and_advance(parallel) is False and len(calls) == 4 and calls[-1][0] == 3 * n
+    assert sync_and_advance(parallel) is False and len(calls) == 4 and calls[-1][0] == SYNC_WIDTH * n

@@ -5,6 +5,8 @@
     hif8_layout.json          what is where (format, QuantConfig, every tensor's role/dtype/shape)
     model.hif8.safetensors    the tensors
     config.json (+ generation_config.json, tokenizer files, remote code if any)
+    quantized_modules.json    what is quantized and why the rest is not (:mod:`qat_app.hif8.inventory`; also in
+                              the plain HF export; written for a QATModule, whose layer selection is known)
 
 * every quantized weight (a ``HiF8Linear`` with weight quantization on) is stored as its uint8
   HiF8 codes (``<layer>.weight.codes``, 1 byte per parameter) plus its per-tensor scale

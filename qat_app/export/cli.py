@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
 
 from ..errors import QATError
+from ..hif8.inventory import INVENTORY_FILE, inventory_summary
 from .hf import export_hf
 from .layout import checkpoint_bytes
 from .qat_checkpoint import load_qat_checkpoint
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
             export_hf(module, args.out, weights=args.hf_weights, dtype=args.dtype, compute_dtype=args.compute_dtype,
                       overwrite=args.overwrite)
             print(f"wrote {args.out}: {checkpoint_bytes(args.out) / 2**20:.1f} MiB")
+        inventory = Path(args.out) / INVENTORY_FILE
+        if inventory.is_file():
+            print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
     except (QATError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import QuantConfig
+from ..hif8.inventory import INVENTORY_FILE, quantization_inventory
 from ..hif8.linear import HiF8Linear
 from .layout import ExportError
 
@@ -102,6 +104,17 @@ class StagingDir:
         os.rename(self.path, self.target)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def save_inventory(module_or_model, directory: Path) -> dict | None:
+    """``quantized_modules.json`` (:mod:`qat_app.hif8.inventory`) of a QATModule's model: what the export holds in
+    8 bits and why the rest is not; None (nothing written) for a bare model, whose layer selection is not known."""
+    quant = getattr(module_or_model, "quant", None)
+    if quant is None or not hasattr(module_or_model, "model"):
+        return None
+    inventory = quantization_inventory(module_or_model.model, quant.selection)
+    (Path(directory) / INVENTORY_FILE).write_text(json.dumps(inventory, indent=1))
+    return inventory
 
 
 def save_model_files(model: nn.Module, tokenizer, directory: Path) -> None:

@@ -14,7 +14,7 @@ from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.patch import dequantize_model, quantized_linears
 from ..models import resolve_dtype
-from .common import StagingDir, quant_of, unwrap
+from .common import StagingDir, quant_of, save_inventory, unwrap
 from .layout import HF_EXPORT_INFO
 from .writer import EXPERT_PARAMS, quantize_experts_param, quantize_weight
 
@@ -75,6 +75,7 @@ def export_hf(
         plain.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        save_inventory(module_or_model, tmp)  # of the quantized model the copy was made from
         (tmp / HF_EXPORT_INFO).write_text(json.dumps({
             "exported_by": "qat_app.export.export_hf",
             "source": info.get("model_name"),

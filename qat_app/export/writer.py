@@ -17,7 +17,7 @@ from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import quantized_linears
 from ..models import resolve_dtype
-from .common import StagingDir, quant_of, same, save_model_files, unwrap
+from .common import StagingDir, quant_of, same, save_inventory, save_model_files, unwrap
 from .layout import (LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE, ROLE_OTHER,
                      ROLE_SCALE, ROLE_SCALER, SCALER_NAMES, WEIGHTS_FILE, ExportError, dtype_name)
 
@@ -291,6 +291,7 @@ def export_hif8(
         weights_path = Path(tmp) / WEIGHTS_FILE
         save_file(out.tensors, str(weights_path), metadata={"format": "pt", "qat_app_layout": LAYOUT_FILE})
         save_model_files(model, tokenizer, tmp)
+        save_inventory(module_or_model, tmp)
         layout = _layout(model, info, quant, out, weights_bytes=weights_path.stat().st_size, model_dtype=model_dtype,
                          storage_dtype=storage_dtype, lossless=lossless, quantized=quantized, aliases=aliases,
                          experts=experts)

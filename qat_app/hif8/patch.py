@@ -58,6 +58,12 @@ def count_blocks(model: nn.Module, block_pattern: str) -> int:
     return max(indices) + 1 if indices else 0
 
 
+def block_index(name: str, block_regex: re.Pattern) -> int | None:
+    """The decoder-block index in a module's full name (``model.layers.7.mlp.up_proj`` -> 7), None outside the blocks."""
+    found = block_regex.search(name + ".")
+    return int(found.group(1)) if found is not None else None
+
+
 def quantized_block_range(num_blocks: int, high_precision_layers: int) -> range:
     """Blocks that get quantized: all but the first ceil(k/2) and the last floor(k/2)."""
     if high_precision_layers > num_blocks:
@@ -128,8 +134,7 @@ def convert_to_hif8_training(
     block_regex = re.compile(selection.block_pattern)
 
     def block_of(name: str) -> int | None:
-        found = block_regex.search(name + ".")
-        return int(found.group(1)) if found is not None else None
+        return block_index(name, block_regex)
 
     if selection.filter_fn is not None:
         experts = [(name, m) for name, m in experts if selection.filter_fn(m, name)]

@@ -23,6 +23,10 @@ fused parameter). It owns, once for both:
 Observers record amax whether or not quantization is switched on (the BF16 warmup relies on that), but
 only in training mode, so evaluation never moves a history. With ``save_8bit_activations`` the quantized
 input is kept for backward as uint8 codes plus the scale; decoding reproduces it exactly.
+
+Every quantized forward also counts what the other amax estimators would have clipped (:mod:`.health`);
+while ``measure_health`` is on (:func:`set_health_measurement`, on logging steps), it also measures the
+numeric health of the input, the weight and the (quantized) output gradient. Both are device ops only.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class QuantizedMatmul(nn.Module):
     """
 
     _exported_key: tuple | None = None  # set by mark_exported (the 8-bit export's reader)
+    measure_health = False  # host-side switch (set_health_measurement): training forwards measure numeric health
 
     def init_quantization(self, recipe: HiF8Recipe | None, runtime: RuntimeOptions | None, device) -> None:
         """Recipe, runtime options, format, scalers (built on ``device``), switches, weight cache."""
@@ -131,21 +136,25 @@ class QuantizedMatmul(nn.Module):
         if self._exported_key is not None and self.quantize_weights and not self.training and self.is_exported(weight):
             return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
         scaler = self.weight_scaler
-        key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste)
+        health = self.measure_health and self.training  # in the key: a cache made without health is remade
+        key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste,
+               health)
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = None  # free the old codes before making new ones
             w = weight.detach().to(dtype)
             if self.quantize_weights:
-                result, scale = scaler.quantize(w, self.format, want_codes=True, fused=self.runtime.fused)
+                fused = self.runtime.fused
+                result, scale = scaler.quantize(w, self.format, want_codes=True, fused=fused)
                 mask = passes_gradient(self.recipe.ste == "clipped", w, scale, scaler, self.format)
-                entry = (result.codes, scale.clone(), mask, (result.amax, result.clipped))
+                measured = scaler.measure(w, result, scale, self.format, fused=fused, health=health)
+                entry = (result.codes, scale.clone(), mask, (result.amax, result.clipped, *measured))
             else:
                 entry = (w, None, None, (w.abs().amax(), None))
             self._weight_cache = (key, *entry)
             scaler.observed_this_step = False
         _, saved, scale, mask, stats = self._weight_cache
         if self.training and not scaler.observed_this_step:
-            scaler.observe(stats[0], stats[1], weight.numel())
+            scaler.observe(*stats[:2], weight.numel(), *stats[2:])
         return saved, scale, mask
 
     def release_weight_cache(self) -> None:
@@ -159,7 +168,7 @@ class QuantizedMatmul(nn.Module):
             grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format,
             fused=self.runtime.fused, ste_clipped=self.recipe.ste == "clipped",
             save_codes=self.runtime.save_8bit_activations, stochastic_grads=self.recipe.grad_stochastic_rounding,
-            dtype=dtype,
+            dtype=dtype, health=self.measure_health and self.training,
         )
 
     def quantized_matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,6 +195,7 @@ class Plan:
     save_codes: bool
     stochastic_grads: bool
     dtype: torch.dtype  # compute dtype (the autocast dtype under autocast)
+    health: bool = False  # measure numeric health (a logging step, training mode)
 
     def decode(self, saved: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if scale is None:  # not quantized: the tensor itself
@@ -201,7 +211,8 @@ class Plan:
             return x, None, None, None
         result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes, fused=self.fused)
         if self.record:
-            scaler.observe(result.amax, result.clipped, x.numel())
+            measured = scaler.measure(x, result, scale, self.fmt, fused=self.fused, health=self.health)
+            scaler.observe(result.amax, result.clipped, x.numel(), *measured)
         return result.dequantized, result.codes, scale, passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
 
     def quantize_grad_output(self, g: torch.Tensor) -> torch.Tensor:
@@ -212,8 +223,9 @@ class Plan:
             scaler.observe(g.abs().amax(), None, g.numel())
             return g
         noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32) if self.stochastic_grads else None
-        result, _ = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused)
-        scaler.observe(result.amax, result.clipped, g.numel())
+        result, scale = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused)
+        measured = scaler.measure(g, result, scale, self.fmt, fused=self.fused, health=self.health, noise=noise)
+        scaler.observe(result.amax, result.clipped, g.numel(), *measured)
         return result.dequantized
 
 
@@ -258,3 +270,12 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def set_health_measurement(model: nn.Module, on: bool) -> None:
+    """Switch numeric-health measurement of every quantized matmul of ``model`` (a host-side flag, no sync):
+    on before the forwards of a logging step, off after; forwards in training mode then measure their
+    quantized input, weight and output gradient (:mod:`qat_app.hif8.health`)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedMatmul):
+            module.measure_health = on

@@ -3,9 +3,9 @@ per-optimizer-step protocol (sync, advance or discard, seed) as a few batched op
 
 A model has one scaler per quantized tensor (126 for the paper's openPangu, thousands with MoE
 experts). Advancing them one by one costs ~50 tiny tensor ops each; here every scaler's 0-d buffers are
-*views* into one float32 ``[9, n]`` and one int64 ``[9, n]`` matrix and its history a row of an
-``[n, H]`` matrix, so one step is ~73 aten calls (views and indexing included) whatever ``n`` (TransformerEngine's one fused amax/scale
-update, torchao's stacked delayed-scaling histories).
+*views* into one float32 ``[10, n]`` and one int64 ``[9, n]`` matrix and its history a row of an
+``[n, H]`` matrix, so one step is ~110 aten calls (views and indexing included; ~73 before the what-if state)
+whatever ``n`` (TransformerEngine's one fused amax/scale update, torchao's stacked delayed-scaling histories).
 
 Nothing changes for the rest of the code: each scaler still *has* its buffers (views), so the forward
 observes into them as before, and ``state_dict`` and checkpoints keep the per-layer layout (older checkpoints
@@ -14,6 +14,13 @@ load unchanged, into the views). This is the one implementation of the update: :
 the whole model get the same bits (tests/_reference_scaler.py is the readable per-scaler definition both are
 tested against). The bank only exists while the views do: ``model.to(...)`` replaces buffers, and the next
 batched call notices (a cheap identity check) and stacks again.
+
+What-if state (:mod:`.health`): each scaler's per-estimator vectors (counts, and the scales of the delayed
+estimators) are rows of ``[k, n, A]`` matrices the same way; at each step boundary the bank closes their
+counts and computes, from the state after the push, the scale every delayed estimator would use next
+(``smoothed_a_hat`` is exp_smooth's estimate with the recipe's alpha, kept whatever the scaler's own
+algorithm). The health vectors are not buffers: a logging step's vector moves from ``health_step`` to
+``health_last`` at the step boundary (a reference move, no tensor op) and is dropped by the next one.
 """
 
 from __future__ import annotations
@@ -26,17 +33,31 @@ import torch.distributed as dist
 from typing import TYPE_CHECKING
 
 from .fake_quant import compute_scale
+from .health import DELAYED_ALGOS, WHATIF_ALGOS
 
 if TYPE_CHECKING:  # the scaler imports the bank (its advance is a bank of one)
     from .scaling import AmaxScaler
 
 # Row order matters: the step accumulators come first in each matrix, so one slice zeroes them.
 F32_ROWS = ("step_amax", "step_seen", "step_clipped_anywhere", "a_hat", "scale", "last_amax", "last_a_hat",
-            "last_headroom", "min_headroom")
+            "last_headroom", "min_headroom", "smoothed_a_hat")
 I64_ROWS = ("step_clipped", "step_numel", "steps_recorded", "last_clipped", "last_numel", "total_clipped",
             "total_numel", "saturation_events", "quantized_steps")
 _F = {name: i for i, name in enumerate(F32_ROWS)}
 _I = {name: i for i, name in enumerate(I64_ROWS)}
+# per-scaler vectors over WHATIF_ALGOS (int64 counts; the first is the step accumulator) and DELAYED_ALGOS (scales)
+WHATIF_ROWS = ("step_whatif_clipped", "last_whatif_clipped", "total_whatif_clipped", "whatif_events")
+WHATIF_ANYWHERE = "step_whatif_anywhere"  # 1.0 where any rank's what-if clipped this step (set by sync_step_amax)
+WHATIF_SCALE = "whatif_scale"
+# float entries per scaler in the step's MAX all-reduce: step_amax, step_seen, clipped > 0, what-if clipped > 0
+SYNC_WIDTH = 3 + len(WHATIF_ALGOS)
+
+
+def delayed_estimates(history: torch.Tensor, smoothed: torch.Tensor) -> torch.Tensor:
+    """a_hat of every delayed estimator (``[..., len(DELAYED_ALGOS)]``) from an amax history ``[..., H]`` and
+    exp_smooth's estimate ``[...]`` (already updated): the one definition, for a scaler's own a_hat and its what-if."""
+    by_algo = {"most_recent": history[..., 0], "exp_smooth": smoothed, "max": history.amax(dim=-1)}
+    return torch.stack([by_algo[a] for a in DELAYED_ALGOS], dim=-1)
 
 
 def _data_parallel(group=None) -> bool:
@@ -54,16 +75,26 @@ class ScalerBank:
         first = scalers[0]
         self.algo, self.history_len, self.alpha, self.margin = first.algo, first.history_len, first.alpha, first.margin
         self.max_val = first.max_val
+        # the column of delayed_estimates that is this bank's a_hat (current: what it saw last, for logging
+        # and fallback)
+        self.own_estimate = DELAYED_ALGOS.index("most_recent" if self.algo == "current" else self.algo)
         self.scalers = list(scalers)
         with torch.no_grad():
             self.f32 = torch.stack([torch.stack([s._buffers[r] for s in scalers]) for r in F32_ROWS])
             self.i64 = torch.stack([torch.stack([s._buffers[r] for s in scalers]) for r in I64_ROWS])
             self.history = torch.stack([s._buffers["amax_history"] for s in scalers])
+            self.whatif = torch.stack([torch.stack([s._buffers[r] for s in scalers]) for r in WHATIF_ROWS])
+            self.whatif_anywhere = torch.stack([s._buffers[WHATIF_ANYWHERE] for s in scalers])
+            self.whatif_scale = torch.stack([s._buffers[WHATIF_SCALE] for s in scalers])
         for i, scaler in enumerate(scalers):
             for name, row in _F.items():
                 scaler._buffers[name] = self.f32[row, i]
             for name, row in _I.items():
                 scaler._buffers[name] = self.i64[row, i]
+            for row, name in enumerate(WHATIF_ROWS):
+                scaler._buffers[name] = self.whatif[row, i]
+            scaler._buffers[WHATIF_ANYWHERE] = self.whatif_anywhere[i]
+            scaler._buffers[WHATIF_SCALE] = self.whatif_scale[i]
             scaler._buffers["amax_history"] = self.history[i]
             scaler._bank = self
         self._current_key: tuple | None = None
@@ -86,13 +117,16 @@ class ScalerBank:
 
     # ------------------------------------------------------------------------------- the step
     def sync_parts(self) -> torch.Tensor:
-        """``[step_amax, step_seen, clipped > 0]`` of every row, flat (for the one MAX all-reduce)."""
-        return torch.cat([self.f32[:2].reshape(-1), (self.row("step_clipped") > 0).float()])
+        """``[step_amax, step_seen, clipped > 0, what-if clipped > 0]`` of every row, flat (``SYNC_WIDTH * n``
+        entries, for the one MAX all-reduce)."""
+        return torch.cat([self.f32[:2].reshape(-1), (self.row("step_clipped") > 0).float(),
+                          (self.whatif[0] > 0).float().reshape(-1)])
 
     def take_synced(self, flat: torch.Tensor) -> None:
         n = len(self.scalers)
         self.f32[:2].copy_(flat[: 2 * n].view(2, n))
         self.row("step_clipped_anywhere").copy_(flat[2 * n: 3 * n])
+        self.whatif_anywhere.copy_(flat[3 * n: SYNC_WIDTH * n].view(n, len(WHATIF_ALGOS)))
 
     @torch.no_grad()
     def advance(self) -> None:
@@ -117,26 +151,44 @@ class ScalerBank:
         headroom = torch.where(quantized & valid & (amax > 0), last_a_hat / amax, math.inf)
         f[_F["last_headroom"]].copy_(headroom)
         torch.minimum(f[_F["min_headroom"]], headroom, out=f[_F["min_headroom"]])
-        a_hat.copy_(torch.where(valid, self._estimate(history, amax, a_hat, first), a_hat))
+        # every delayed estimator's next a_hat from the same history: the own one, and the what-if ones
+        smoothed = f[_F["smoothed_a_hat"]]  # exp_smooth's estimate (an exp_smooth scaler's a_hat is its copy)
+        smoothed.copy_(torch.where(valid, self._smooth(amax, smoothed, first), smoothed))
+        estimates = delayed_estimates(history, smoothed)
+        a_hat.copy_(torch.where(valid, estimates[:, self.own_estimate], a_hat))
         i[_I["steps_recorded"]].add_(valid.long())
         scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale))
-        self.discard()
+        # what-if scales by the same rule (a zero/NaN/inf estimate keeps that estimator's previous scale): the
+        # own algorithm's column is the real scale, bit for bit
+        self.whatif_scale.copy_(compute_scale(estimates, self.max_val, self.margin, self.whatif_scale))
+        # what-if counts: close the step's (an event: >= 1 element clipped on any rank)
+        whatif = self.whatif
+        whatif[1].copy_(whatif[0])
+        whatif[2].add_(whatif[0])
+        whatif[3].add_(((whatif[0] > 0) | (self.whatif_anywhere > 0)).long())
+        self._clear_step(closed=True)
         self._after_update()
 
-    def _estimate(self, history, amax, a_hat, first) -> torch.Tensor:
-        if self.algo == "max":
-            return history.amax(dim=1)
-        if self.algo == "exp_smooth":
-            return torch.where(first, amax, self.alpha * amax + (1.0 - self.alpha) * a_hat)
-        return history[:, 0]  # most_recent; current: what it saw last, for logging and fallback
+    def _smooth(self, amax, previous, first) -> torch.Tensor:
+        """exp_smooth: alpha * amax(t-1) + (1 - alpha) * a_hat(t-1), a_hat(1) = amax(0)."""
+        return torch.where(first, amax, self.alpha * amax + (1.0 - self.alpha) * previous)
 
     @torch.no_grad()
     def discard(self) -> None:
-        """Forget this step's observations (a skipped step): two ops for all rows."""
+        """Forget this step's observations (a skipped step): a few ops for all rows."""
+        self._clear_step(closed=False)
+
+    def _clear_step(self, closed: bool) -> None:
+        """Zero the step accumulators; the step's health vectors become the last step's (``closed``) or are dropped."""
         self.f32[:3].zero_()
         self.i64[:2].zero_()
-        for scaler in self.scalers:  # host mirrors, set past nn.Module.__setattr__ (slow at thousands of scalers)
-            scaler.__dict__["observed_this_step"] = False
+        self.whatif[0].zero_()
+        self.whatif_anywhere.zero_()
+        for scaler in self.scalers:  # host state, set past nn.Module.__setattr__ (slow at thousands of scalers)
+            state = scaler.__dict__
+            state["observed_this_step"] = False
+            state["health_last"] = state.get("health_step") if closed else None
+            state["health_step"] = None
 
     @torch.no_grad()
     def seed_history(self) -> None:
@@ -153,6 +205,8 @@ class ScalerBank:
         elif self.algo in ("most_recent", "current"):
             a_hat.copy_(history[:, 0])
         scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale))
+        estimates = delayed_estimates(history, self.row("smoothed_a_hat"))
+        self.whatif_scale.copy_(compute_scale(estimates, self.max_val, self.margin, self.whatif_scale))
         for scaler in self.scalers:
             scaler.__dict__["version"] += 1
 
@@ -185,10 +239,10 @@ def banks(scalers: list[AmaxScaler]) -> list[ScalerBank]:
 def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor | None = None) -> torch.Tensor | None:
     """Make every data-parallel rank hold the same step amax: one MAX all-reduce on one flat buffer.
 
-    The buffer holds ``[step_amax, step_seen, step_clipped > 0]`` of every scaler (and, when given, the rank's
-    ``bad_step`` flag, 1.0 where its loss/gradient was non-finite). NaN is mapped to +inf first (a
-    MAX reduction may drop NaN); inf then marks the step invalid on every rank alike, so every rank
-    pushes the same value (or nothing) into its history and computes the same scale.
+    The buffer holds ``[step_amax, step_seen, step_clipped > 0, step_whatif_clipped > 0]`` of every scaler
+    (and, when given, the rank's ``bad_step`` flag, 1.0 where its loss/gradient was non-finite). NaN is mapped
+    to +inf first (a MAX reduction may drop NaN); inf then marks the step invalid on every rank alike, so every
+    rank pushes the same value (or nothing) into its history and computes the same scale.
 
     The flag makes the skip decision collective: under a sharded strategy (FSDP) each rank sees only
     its own gradient shard, so one rank's NaN must skip the step everywhere. Returns the reduced flag
@@ -196,8 +250,9 @@ def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor
 
     Uses ``torch.distributed`` on ``group`` (default: the world group, which DDP and FSDP both use);
     a no-op without an initialised process group of more than one rank. The third entry makes a
-    saturation event (a step that clipped on any rank) count alike on every rank; the element counts
-    (clipped / quantized) stay per rank and are summed when logged (``scaling.sum_over_ranks``).
+    saturation event (a step that clipped on any rank) count alike on every rank, and the what-if flags do the
+    same for each estimator's what-if events; the element counts (clipped / quantized / what-if clipped) stay
+    per rank and are summed when logged (``scaling.sum_over_ranks``).
     """
     if not _data_parallel(group):
         return bad_step
@@ -212,7 +267,7 @@ def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     offset = 0
     for bank in stacks:
-        size = 3 * len(bank.scalers)
+        size = SYNC_WIDTH * len(bank.scalers)
         bank.take_synced(flat[offset: offset + size])
         offset += size
     return None if bad_step is None else flat[-1].to(bad_step.device) > 0

@@ -24,6 +24,14 @@ elements, saturation events (steps with >= 1 clipped element on any data-paralle
 steps, and the *headroom* a_hat / amax of each quantized step (< 1: the estimate was below the true
 max; clipping needs a headroom below max_val / saturation_threshold, about 0.968 for HiF8 at 15) with
 its minimum over the run.
+
+What-if and health (:mod:`.health`): on every quantized step with a history, :meth:`AmaxScaler.measure` also
+counts the elements each estimator (most_recent, exp_smooth, max, current) would have clipped on the same
+tensor with the same history (per step, run totals, and what-if saturation events, across ranks like the
+real ones); the scales of the delayed estimators and exp_smooth's estimate (``smoothed_a_hat``, with the
+recipe's alpha, whatever the scaler's own algorithm) are buffers, so a resume stays exact. On logging steps
+it measures the tensor's numeric health into ``health_step`` (a plain tensor, not a buffer: per step only),
+which becomes ``health_last`` at the step boundary.
 """
 
 from __future__ import annotations
@@ -34,10 +42,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fake_quant import FakeQuantResult, fake_quantize, fake_quantize_current
-from .formats import Float8Format
+from .fake_quant import FakeQuantResult, compute_scale, fake_quantize, fake_quantize_current
+from .formats import Float8Format, get_format, saturation_threshold
+from .health import DELAYED_ALGOS, WHATIF_ALGOS, measure_health, whatif_clipped
 from .recipe import AMAX_ALGOS
-from .scaler_bank import ScalerBank, _data_parallel
+from .scaler_bank import ScalerBank, _data_parallel, delayed_estimates
 
 
 class AmaxScaler(nn.Module):
@@ -83,10 +92,21 @@ class AmaxScaler(nn.Module):
         self.register_buffer("min_headroom", torch.full((), math.inf, **f32))
         # 1.0 when any data-parallel rank clipped this step (set by sync_step_amax; not checkpointed)
         self.register_buffer("step_clipped_anywhere", torch.zeros((), **f32), persistent=False)
+        # what-if (qat_app.hif8.health): exp_smooth's estimate and the scale of every delayed estimator ...
+        self.register_buffer("smoothed_a_hat", torch.zeros((), **f32))
+        self.register_buffer("whatif_scale", torch.ones(len(DELAYED_ALGOS), **f32))
+        # ... and, per estimator of WHATIF_ALGOS: this step's, the last step's and the run's clipped elements,
+        # what-if saturation events, and (set by sync_step_amax) whether any rank's what-if clipped this step
+        for name in ("step_whatif_clipped", "last_whatif_clipped", "total_whatif_clipped", "whatif_events"):
+            self.register_buffer(name, torch.zeros(len(WHATIF_ALGOS), **i64))
+        self.register_buffer("step_whatif_anywhere", torch.zeros(len(WHATIF_ALGOS), **f32), persistent=False)
         # Host-side mirrors of device state, so the hot path branches without a sync.
         self.has_history = False
         self.version = 0  # bumped whenever the scale may change (keys the weight cache)
         self.observed_this_step = False
+        # this logging step's health vector (summed over its forwards) and the last completed step's; not buffers
+        self.health_step: torch.Tensor | None = None
+        self.health_last: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return f"algo={self.algo}, history_len={self.history_len}, max_val={self.max_val}, margin={self.margin}"
@@ -110,17 +130,44 @@ class AmaxScaler(nn.Module):
         return result, self.scale.clone()
 
     @torch.no_grad()
-    def observe(self, amax: torch.Tensor, clipped: torch.Tensor | None, numel: int) -> None:
+    def measure(self, x: torch.Tensor, result: FakeQuantResult, scale: torch.Tensor, fmt: str | Float8Format, *,
+                fused: str = "off", health: bool = False,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> (what-if clipped counts, health vector) of one quantization of ``x`` (``quantize``'s ``result`` and
+        ``scale``), for :meth:`observe`; device ops only.
+
+        What-if: None before the first recorded step (no history to estimate from). Its ``current`` entry
+        uses the scale a CTS scaler with this history would fall back to (that of most_recent), as
+        ``quantize`` does. Health (:func:`~qat_app.hif8.health.measure_health`): only when ``health``.
+        """
+        fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+        whatif = None
+        if self.has_history:
+            threshold = saturation_threshold(fmt.name, float(self.max_val))
+            whatif = whatif_clipped(x, self.whatif_scale, result.amax, self.max_val, self.margin, threshold,
+                                    fused=fused)
+        if not health:
+            return whatif, None
+        return whatif, measure_health(x, scale, self.max_val, fmt, result.dequantized, noise, fused=fused)
+
+    @torch.no_grad()
+    def observe(self, amax: torch.Tensor, clipped: torch.Tensor | None, numel: int,
+                whatif: torch.Tensor | None = None, health: torch.Tensor | None = None) -> None:
         """Record one forward of the tensor (device ops only).
 
         ``clipped`` is None when the tensor was not quantized (warmup, switched off): its amax enters
-        the history, its elements are not counted as quantized.
+        the history, its elements are not counted as quantized (nor what-if, nor health). ``whatif`` and
+        ``health``: :meth:`measure`'s.
         """
         torch.maximum(self.step_amax, amax.float(), out=self.step_amax)
         self.step_seen.fill_(1.0)
         if clipped is not None:
             self.step_clipped.add_(clipped)
             self.step_numel.add_(numel)
+            if whatif is not None:
+                self.step_whatif_clipped.add_(whatif)
+            if health is not None:
+                self.health_step = health if self.health_step is None else self.health_step + health
         self.observed_this_step = True
 
     # The per-step update is the bank's batched code (:mod:`.scaler_bank`), run on a bank of one: a single
@@ -146,12 +193,35 @@ class AmaxScaler(nn.Module):
         """
         self.bank().seed_history()
 
-    # buffers added after checkpoints were first written: (name, value for a run that predates them)
-    LATER_BUFFERS = (("quantized_steps", 0), ("last_headroom", math.inf), ("min_headroom", math.inf))
+    def _smoothed_before_whatif(self, saved: dict) -> torch.Tensor:
+        """exp_smooth's estimate for a checkpoint that predates it: its own a_hat for an exp_smooth run, else
+        the smoothing restarts at the most recent amax (the first-step rule)."""
+        return saved["a_hat"].clone() if self.algo == "exp_smooth" else saved["amax_history"][0].clone()
+
+    def _whatif_scale_before_whatif(self, saved: dict) -> torch.Tensor:
+        """The delayed estimators' scales for a checkpoint that predates them: from its history, falling back
+        to its scale where an estimate is not usable."""
+        estimates = delayed_estimates(saved["amax_history"], saved["smoothed_a_hat"])
+        return compute_scale(estimates, self.max_val, self.margin, saved["scale"].expand(len(DELAYED_ALGOS)))
+
+    # buffers added after checkpoints were first written: (name, value for a run that predates them, or the
+    # method that derives it from the checkpoint's state; in this order, as a derivation may read an earlier one)
+    LATER_BUFFERS = (("quantized_steps", 0), ("last_headroom", math.inf), ("min_headroom", math.inf),
+                     ("step_whatif_clipped", 0), ("last_whatif_clipped", 0), ("total_whatif_clipped", 0),
+                     ("whatif_events", 0), ("smoothed_a_hat", _smoothed_before_whatif),
+                     ("whatif_scale", _whatif_scale_before_whatif))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         for name, default in self.LATER_BUFFERS:  # older checkpoints keep loading
-            state_dict.setdefault(prefix + name, torch.full_like(getattr(self, name), default))
+            if prefix + name in state_dict:
+                continue
+            if callable(default):
+                saved = {n: state_dict[prefix + n] for n in ("a_hat", "scale", "amax_history", "smoothed_a_hat")
+                         if prefix + n in state_dict}
+                if {"a_hat", "scale", "amax_history"} <= saved.keys():  # else: a missing key, reported as such
+                    state_dict[prefix + name] = default(self, saved)
+            else:
+                state_dict[prefix + name] = torch.full_like(getattr(self, name), default)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # one sync at load time (not per step) to restore the host-side mirror
         if self.steps_recorded.device.type != "meta":
@@ -161,6 +231,22 @@ class AmaxScaler(nn.Module):
 
 def all_scalers(model: nn.Module) -> list[AmaxScaler]:
     return [m for m in model.modules() if isinstance(m, AmaxScaler)]
+
+
+def keep_scalers_out_of_ddp_broadcast(module: nn.Module) -> None:
+    """Tell ``DistributedDataParallel`` (call it before DDP wraps ``module``) not to broadcast the scalers' buffers.
+
+    DDP copies rank 0's buffers to every rank before a forward (``broadcast_buffers``, on by default): that
+    overwrites each rank's own counters (clipped, seen and what-if run totals), which are summed over the ranks
+    when read, with rank 0's. The shared state (histories, a_hat, scales) needs no broadcast: ``sync_step_amax``
+    keeps it equal on every rank.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = {f"{owner}.{name}" if owner else name for owner, m in module.named_modules()
+             if isinstance(m, AmaxScaler) for name in m._buffers}
+    names |= set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(names))
 
 
 @torch.no_grad()

@@ -6,8 +6,9 @@
 
 A run DIR holds a Lightning ``CSVLogger`` output: a version directory (``runs/x/logs/version_0``),
 the logger directory or the run root. All ``metrics.csv`` of one run (a resumed fit, a separate
-``main.py test``) are merged, later versions winning on a step logged twice; ``saturation_summary.json``
-and ``config.yaml`` come from the latest version that has one, per-example records
+``main.py test``) are merged, later versions winning on a step logged twice; ``saturation_summary.json``,
+``config.yaml`` and ``quantized_modules.json`` (what the fit quantized: its count and high-precision blocks are
+shown per QAT run; older runs have none) come from the latest version that has one, per-example records
 (``benchmark_samples/<val|test>_step<NNNNNNN>.jsonl``) from every version (later wins).
 
 Three models per benchmark metric (``<split>/<task>/acc|acc_norm``, MMLU subjects and categories;
@@ -32,11 +33,16 @@ logged train step must match; otherwise :class:`ReportError` (``--force``: a war
 
 Written to ``--out``: results.md, results.csv (one row per run, metric, comparison), results.json
 (everything), loss_curves.png, amax_vs_ahat.png, saturation_heatmap.png (the warmup -> quantization switch is
-drawn on every step axis).
+drawn on every step axis), and from what the saturation callback logged (:mod:`.health`, :mod:`.health_figures`):
+whatif_clipped.png (cumulative clipped elements each amax estimator would have clipped, to first order),
+sqnr_heatmap.png (SQNR per tensor and logged step), precision_tiers.png (tier fractions per tensor kind); their
+tables (what-if totals per estimator next to the real counter; the run's min SQNR, underflow and outlier factor, the
+worst tensors by SQNR) close results.md. Runs made before these were logged say "not recorded".
 
 Modules: :mod:`.runs` (reading a run: metrics, summary, config, records), :mod:`.compare` (evaluations,
 comparisons, checks, arithmetic), :mod:`.measures_table` (the continuous measures' comparisons and table),
-:mod:`.tables` (markdown / csv / json), :mod:`.figures`, :mod:`.build`
+:mod:`.tables` (markdown / csv / json), :mod:`.figures`, :mod:`.health` (what-if and health: reading, tables),
+:mod:`.health_figures`, :mod:`.build`
 (:func:`build_report`), :mod:`.cli` (:func:`main`).
 """
 
@@ -49,16 +55,18 @@ from .compare import (ALLOWED_CONFIG_DIFFERENCES, BENCHMARK_RE, COMPARED_CONFIG,
 from .measures_table import compare_measures, measure_tasks, render_measures
 from .tables import CSV_COLUMNS, render_markdown, write_csv
 from .figures import FIGURES, a_hat_points, clipped_steps, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
+from .health import health_stats, whatif_stats
+from .health_figures import HEALTH_FIGURES, plot_sqnr_heatmap, plot_tiers, plot_whatif
 from .build import build_report
 from .cli import main
 
 __all__ = [
     "ALLOWED_CONFIG_DIFFERENCES", "BENCHMARK_RE", "COMPARED_CONFIG", "COMPARISONS", "CONFIG_FILE", "CSV_COLUMNS", "Evaluation",
-    "FIGURES", "METRICS_FILE", "PRECISION_NAMES", "REAL_METRICS", "ReportError", "Run", "SAMPLES_DIR",
+    "FIGURES", "HEALTH_FIGURES", "METRICS_FILE", "PRECISION_NAMES", "REAL_METRICS", "ReportError", "Run", "SAMPLES_DIR",
     "SUMMARY_FILE", "a_hat_points", "arc_check", "benchmark_keys", "build_report", "check_pair", "clipped_steps",
     "compare_measures", "compare_metric", "config_differences", "default_label", "evaluate_run", "example_values",
-    "find_metrics_files", "flatten", "is_main_metric", "load_run", "loss_ape", "main", "measure_tasks", "plot_amax",
+    "find_metrics_files", "flatten", "health_stats", "is_main_metric", "load_run", "loss_ape", "main", "measure_tasks", "plot_amax",
     "plot_heatmap", "plot_loss_curves", "precision_name", "quantized", "read_config", "read_metrics",
     "read_samples", "read_summary", "relative_drop", "render_markdown", "render_measures", "saturation_stats", "select_tensors",
-    "warmup_switch_step", "write_csv",
+    "plot_sqnr_heatmap", "plot_tiers", "plot_whatif", "warmup_switch_step", "whatif_stats", "write_csv",
 ]

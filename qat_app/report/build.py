@@ -13,8 +13,11 @@ from .compare import (arc_check, benchmark_keys, check_pair, compare_metric, eva
                       saturation_stats)
 from .distortion import kl_baseline_qat
 from .figures import FIGURES, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
+from .health import health_stats, whatif_stats
+from .health_figures import HEALTH_FIGURES, plot_sqnr_heatmap, plot_tiers, plot_whatif
 from .measures_table import compare_measures, measure_tasks
-from .runs import ReportError, Run, last_value, default_label, load_run, precision_name, quantized, warmup_switch_step
+from .runs import (ReportError, Run, default_label, inventory_stats, last_value, load_run, precision_name, quantized,
+                   warmup_switch_step)
 from .tables import json_safe, render_markdown, write_csv
 
 log = logging.getLogger("qat_app.report")
@@ -41,7 +44,7 @@ def build_report(
     resamples: int = stats.DEFAULT_RESAMPLES,
     seed: int = stats.DEFAULT_SEED,
 ) -> dict:
-    """Write results.md / results.csv / results.json and the three figures; returns the numbers."""
+    """Write results.md / results.csv / results.json and the figures (FIGURES, HEALTH_FIGURES); returns the numbers."""
     if not qat_dirs:
         raise ReportError("give at least one QAT run (--qat DIR)")
     labels = list(labels or [])
@@ -105,6 +108,8 @@ def build_report(
             "benchmarks": rows, "mean_relative_drop_pct": sum(main_drops) / len(main_drops) if main_drops else math.nan,
             "train_loss_ape_pct": ape, "ape_common_steps": n, "final_train_loss": last_value(run.train_loss()),
             "final_val_loss": run.last("val/loss"), "saturation": saturation_stats(run), "arc_check": arc_check(rows),
+            "quantized_modules": inventory_stats(run),
+            "whatif": whatif_stats(run), "health": health_stats(run),
             "kl_baseline_qat": kl_baseline_qat(baseline, run),
             "measures": {name: m for name, m in (("forgetting", forgetting_measures),
                                                  ("quantization", compare_measures(base_eval, q_eval, tasks)),
@@ -120,6 +125,10 @@ def build_report(
     figures = {FIGURES[0]: plot_loss_curves(out / FIGURES[0], baseline, qats, results),
                FIGURES[1]: plot_amax(out / FIGURES[1], qats, tensors),
                FIGURES[2]: plot_heatmap(out / FIGURES[2], qats)}
+    whatifs, healths = [r["whatif"] for r in results], [r["health"] for r in results]
+    figures.update({HEALTH_FIGURES[0]: plot_whatif(out / HEALTH_FIGURES[0], qats, whatifs),
+                    HEALTH_FIGURES[1]: plot_sqnr_heatmap(out / HEALTH_FIGURES[1], qats, healths),
+                    HEALTH_FIGURES[2]: plot_tiers(out / HEALTH_FIGURES[2], qats, healths)})
     report = {
         "baseline": {"label": baseline.label, "path": str(baseline.path), "precision": precision_name(baseline),
                      "config": str(baseline.config_path) if baseline.config_path else None,
@@ -135,7 +144,7 @@ def build_report(
         "ape_from_step": ape_from_step,
         "amax_tensors": tensors,
         "figures": figures,
-        "files": ["results.md", "results.csv", "results.json", *FIGURES],
+        "files": ["results.md", "results.csv", "results.json", *FIGURES, *HEALTH_FIGURES],
     }
     (out / "results.json").write_text(json.dumps(json_safe(report), indent=1))
     report["markdown"] = markdown

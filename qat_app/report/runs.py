@@ -1,4 +1,5 @@
-"""Reading one run: its CSVLogger metrics.csv files (every version), saturation summary, config, per-example records."""
+"""Reading one run: its CSVLogger metrics.csv files (every version), saturation summary, config, quantized modules,
+per-example records."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ..errors import QATError
 from ..eval.records import RECORDS_NAME, SAMPLES_DIR  # where the training run writes its per-example records
+from ..hif8.inventory import INVENTORY_FILE  # what the fit quantized (QuantizedModulesCallback writes it)
 
 
 METRICS_FILE = "metrics.csv"
@@ -88,16 +90,36 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
     return rows
 
 
-def read_summary(path: str | os.PathLike) -> dict:
+def _read_json_with(path: str | os.PathLike, what: str, keys: tuple[str, ...]) -> dict:
+    """A JSON object file that must hold ``keys``; a ReportError naming the file and ``what`` it should be."""
     path = Path(path)
     try:
-        summary = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ReportError(f"{path}: not a readable saturation summary ({err})") from None
-    for key in ("saturation_events", "clipped", "seen"):
-        if not isinstance(summary, dict) or key not in summary:
-            raise ReportError(f"{path}: not a saturation summary (no {key!r})")
-    return summary
+        raise ReportError(f"{path}: not a readable {what} ({err})") from None
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            raise ReportError(f"{path}: not a {what} (no {key!r})")
+    return value
+
+
+def read_summary(path: str | os.PathLike) -> dict:
+    return _read_json_with(path, "saturation summary", ("saturation_events", "clipped", "seen"))
+
+
+def read_inventory(path: str | os.PathLike) -> dict:
+    """A run's quantized_modules.json (what was quantized, the blocks kept in high precision)."""
+    return _read_json_with(path, "list of quantized modules", ("totals", "high_precision_blocks", "quantized_blocks"))
+
+
+def inventory_stats(run: "Run") -> dict | None:
+    """What the report shows of a run's quantized_modules.json; None for a run without one (written before it existed)."""
+    if run.inventory is None:
+        return None
+    totals = run.inventory["totals"]
+    return {"quantized_modules": totals.get("quantized_modules"), "quantized_parameters": totals.get("quantized_parameters"),
+            "quantized_blocks": run.inventory["quantized_blocks"],
+            "high_precision_blocks": run.inventory["high_precision_blocks"], "file": run.inventory_path.name}
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -148,6 +170,8 @@ class Run:
     rows: list[list[dict[str, float]]]  # per metrics file
     summary: dict | None = None
     summary_path: Path | None = None
+    inventory: dict | None = None  # quantized_modules.json
+    inventory_path: Path | None = None
     config: dict | None = None
     config_path: Path | None = None
     samples: dict[tuple[str, int], Path] = field(default_factory=dict)  # (stage, step) -> jsonl
@@ -212,6 +236,8 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     for f in reversed(files):
         if run.summary is None and (f.parent / SUMMARY_FILE).is_file():
             run.summary, run.summary_path = read_summary(f.parent / SUMMARY_FILE), f.parent / SUMMARY_FILE
+        if run.inventory is None and (f.parent / INVENTORY_FILE).is_file():
+            run.inventory, run.inventory_path = read_inventory(f.parent / INVENTORY_FILE), f.parent / INVENTORY_FILE
         if run.config is None and (f.parent / CONFIG_FILE).is_file():
             run.config, run.config_path = read_config(f.parent / CONFIG_FILE), f.parent / CONFIG_FILE
     for f in files:

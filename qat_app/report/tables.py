@@ -8,8 +8,10 @@ from pathlib import Path
 
 from .compare import COMPARISONS, Evaluation
 from .distortion import render_distortion
+from .health import health_scalars, render_health, render_whatif
 from .measures_table import MEASURE_CSV_COLUMNS, csv_rows, has_measures, render_measures
-from .runs import CONFIG_FILE, SUMMARY_FILE, Run, last_value, precision_name, quantized
+from ..hif8.inventory import INVENTORY_FILE, block_ranges
+from .runs import CONFIG_FILE, SUMMARY_FILE, Run, inventory_stats, last_value, precision_name, quantized
 
 
 def _fmt(value, spec: str = ".4f") -> str:
@@ -51,7 +53,17 @@ def _describe(run: Run) -> str:
     quant = (f"{str(run.setting('model.quant.format', 'hif8')).upper().replace('HIF8', 'HiF8')} W8A8, "
              f"{run.setting('model.quant.amax_algo')} H={run.setting('model.quant.history_len')}, "
              f"warmup {run.setting('warmup.warmup_steps', 0)}") if quantized(run) else "unquantized"
-    return f"{run.path} ({precision_name(run)}: trainer.precision {run.setting('trainer.precision')}; {quant}; {run.config_path})"
+    return (f"{run.path} ({precision_name(run)}: trainer.precision {run.setting('trainer.precision')}; {quant}; "
+            f"{run.config_path}{_describe_inventory(run) if quantized(run) else ''})")
+
+
+def _describe_inventory(run: Run) -> str:
+    """What the fit quantized (its quantized_modules.json), or that an older run did not record it."""
+    stats = inventory_stats(run)
+    if stats is None:
+        return f"; quantized modules not recorded (no {INVENTORY_FILE}: a run made before it was written)"
+    return (f"; {stats['quantized_modules']} quantized modules, high-precision blocks "
+            f"{block_ranges(stats['high_precision_blocks'])} ({stats['file']})")
 
 
 def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, results: list[dict],
@@ -125,6 +137,7 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
                          + ", ".join(f"`{t}`" for t in s["tensors_clipped"]))
         if s and s["seen"] is None:
             lines.append(f"\n`{r['label']}`: no {SUMMARY_FILE}; saturation from the per-step CSV columns.")
+    lines += render_whatif(results) + render_health(results)
     return "\n".join(lines) + "\n"
 
 
@@ -150,6 +163,10 @@ def write_csv(path: Path, results: list[dict]) -> None:
             scalars = {"mean_relative_drop_pct": r["mean_relative_drop_pct"], "train_loss_ape_pct": r["train_loss_ape_pct"],
                        "final_train_loss": r["final_train_loss"], "final_val_loss": r["final_val_loss"]}
             scalars.update({f"saturation_{k}": v for k, v in (r["saturation"] or {}).items() if k not in ("source", "tensors_clipped")})
+            if r.get("quantized_modules"):
+                scalars["quantized_modules"] = r["quantized_modules"]["quantized_modules"]
+                scalars["high_precision_blocks"] = len(r["quantized_modules"]["high_precision_blocks"])
+            scalars.update(health_scalars(r))
             for name, value in scalars.items():
                 w.writerow({"run": r["label"], "metric": name, "value": cell(value),
                             "n": r["ape_common_steps"] if name == "train_loss_ape_pct" else ""})

@@ -1,0 +1,120 @@
+"""Step-time cost of the numeric-health and what-if measurements (qat_app.hif8.health), same process, same data.
+
+At the quickstart shape (configs/quickstart.yaml: the embedded SmolLM2-135M, fp32, 4 x 128 tokens x 2
+micro-batches, max window 8, 5 boundary blocks in high precision, ``fused=auto``) it times, after the warmup
+switch, optimizer steps of one converted model in three variants, alternated step by step so machine drift
+hits all alike:
+
+    baseline   what-if and health switched off (``AmaxScaler.measure`` stubbed out): the QAT step before them
+    what-if    every quantized step counts what the other estimators would clip (what every step pays)
+    health     a logging step: what-if plus the health measurement and its read-out (the callback's gather)
+
+Each step also reads the scalers once, as the saturation callback does (with the what-if counts, and the health
+vectors on a health step). Health runs only every ``log_every_n_steps``, so the cost of a run is
+``((N - 1) * what-if + health) / N``, from each variant's median ratio to the baseline step of the same round,
+for N = 50 (Lightning's default), 10 (the paper's configs) and 2 (the quickstart's). Target: <= 1.03 at the
+default interval.
+
+    python benchmarks/health_overhead.py
+    python benchmarks/health_overhead.py --device cuda --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from callbacks.saturation import COUNT_FIELDS, FIELDS, HEALTH, WHATIF_COUNT, gather_columns, named_scalers
+from qat_app.config import QuantConfig, quantize_model
+from qat_app.hif8.health import summarize
+from qat_app.hif8.quantized import set_health_measurement
+from qat_app.hif8.scaling import AmaxScaler
+from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance
+
+VARIANTS = ("baseline", "what-if", "health")
+MEASURE = AmaxScaler.measure
+
+
+def no_measurement(self, *args, **kwargs):
+    return None, None
+
+
+class Run:
+    def __init__(self, args) -> None:
+        from qat_app.models import load_causal_lm
+
+        self.args = args
+        self.model, _ = load_causal_lm(args.model)
+        self.model.to(args.device).train()
+        self.model.config.use_cache = False
+        quant = QuantConfig(amax_algo="max", history_len=8, high_precision_layers=5, fused=args.fused)
+        self.report = quantize_model(self.model, quant)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.model.config.vocab_size
+        self.batches = [torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=gen).to(args.device)
+                        for _ in range(args.accumulate)]
+        start_warmup(self.model)  # one observed step, then quantization on (histories seeded), as the recipe does
+        self.step("baseline")
+        end_warmup(self.model)
+
+    def step(self, variant: str) -> None:
+        AmaxScaler.measure = no_measurement if variant == "baseline" else MEASURE
+        set_health_measurement(self.model, variant == "health")
+        for ids in self.batches:
+            (self.model(input_ids=ids, labels=ids).loss / len(self.batches)).backward()
+        sync_and_advance(self.model)
+        pairs = named_scalers(self.model)  # the callback's per-step read-out
+        counts = COUNT_FIELDS + ((WHATIF_COUNT,) if variant != "baseline" else ()) + ((HEALTH,) if variant == "health" else ())
+        columns = gather_columns(pairs, FIELDS, counts)
+        if variant == "health":
+            summarize(columns[HEALTH], columns["last_amax"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        set_health_measurement(self.model, False)
+
+    def timed_step(self, variant: str) -> float:
+        sync = torch.cuda.synchronize if self.args.device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        self.step(variant)
+        sync()
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="embedded:smollm2-135m-instruct")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--fused", default="auto")
+    args = p.parse_args()
+    run = Run(args)
+    print(f"device={args.device} model={args.model} tokens/step={args.micro_batch}x{args.seq_len}x{args.accumulate} "
+          f"fused={args.fused}")
+    print(run.report.summary())
+    warm = {variant: run.timed_step(variant) for variant in VARIANTS}  # compilation, allocator
+    print("warm-up steps: " + "  ".join(f"{v} {t:.1f} s" for v, t in warm.items()), flush=True)
+    times = {v: [] for v in VARIANTS}
+    for round_ in range(args.steps):
+        for variant in VARIANTS:
+            times[variant].append(run.timed_step(variant))
+        print(f"round {round_ + 1}: " + "  ".join(f"{v} {t[-1]:.3f} s" for v, t in times.items()), flush=True)
+    # each round's steps ran back to back: their ratios cancel drift between rounds (other jobs on the machine)
+    ratio = {v: statistics.median(t / b for t, b in zip(times[v], times["baseline"])) for v in VARIANTS}
+    for variant in VARIANTS:
+        print(f"{variant:>9}: steps {' '.join(f'{t:.3f}' for t in times[variant])} s  "
+              f"median {statistics.median(times[variant]):.3f} s  ratio to baseline (median of rounds) {ratio[variant]:.4f}")
+    for every in (50, 10, 2):
+        amortised = ((every - 1) * ratio["what-if"] + ratio["health"]) / every
+        print(f"log_every_n_steps={every:>2}: step time ratio {amortised:.4f} (health + what-if vs none)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""SpikeAlarm: loss spikes, gradient-norm spikes and non-finite steps, as events with their step.
+
+Low-precision training rarely fails at once: an outlier grows, a scale saturates, and one step's loss or
+gradient norm jumps before the run diverges. Once per optimizer step (the first ``on_train_batch_end`` after
+``global_step`` moved, as :mod:`callbacks.saturation` does) the alarm reads, in ONE device->host copy,
+
+* the step's loss: the mean of its micro-batch losses (summed on the device as they come, so no host sync
+  per forward; under DDP / FSDP averaged over the ranks first, one small all-reduce, so every rank holds
+  the same history and takes the same decision),
+* the global gradient norm that :class:`qat_app.module.QATModule` computed for clipping and the non-finite
+  check (``last_grad_norm``; no second pass over the gradients),
+* the module's count of skipped non-finite steps (``skipped_steps``),
+
+and scores the loss and the gradient norm against the last ``window`` finite values of each series with a
+**robust z-score**, (value - median) / (1.4826 MAD): the median and the median absolute deviation (scaled
+to the standard deviation of normal noise) are not moved by the spikes they are meant to find, and a slow
+trend raises the MAD with it (a linear ramp scores about 1.35), so a decreasing loss stays silent. The spread
+is taken as at least 0.1 % of the median, so a perfectly flat window (MAD 0) needs a jump of
+``z_threshold`` x 0.1 % to alarm. Only upward jumps alarm, and only once ``min_history`` values are in the
+window. Each spike and each skipped step is an *event*: one log line (step, kind, value, median, z, the usual
+cause), logged as
+
+    alarm/loss_z, alarm/grad_norm_z      the step's robust z (once the window holds min_history values)
+    alarm/events, alarm/nonfinite        cumulative counts (all events; the non-finite ones)
+
+at the step they describe (the x of ``train/loss``), and listed in ``alarms.json`` in the logger directory
+at the end of fit. The windows, counts and events are checkpointed (``state_dict``), so a resumed run
+raises exactly the events of an uninterrupted one.
+
+**Action.** ``warn``: the log line. ``stop``: also saves ``<ModelCheckpoint dirpath or log dir>/
+alarm-stop-step=<N>.ckpt``, stops the fit and prints the resume command (as ``forgetting.action=stop``).
+A skipped non-finite step left the weights as they were, so its stop checkpoint is the last good state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+from collections import deque
+from typing import Literal, Optional
+
+import lightning as L
+import torch
+
+from qat_app.errors import ConfigError, did_you_mean
+
+from .stopping import stop_with_checkpoint
+
+log = logging.getLogger(__name__)
+
+LOSS_Z, GRAD_NORM_Z = "alarm/loss_z", "alarm/grad_norm_z"
+EVENTS, NONFINITE = "alarm/events", "alarm/nonfinite"
+ACTIONS = ("warn", "stop")
+LOSS_SPIKE, GRAD_NORM_SPIKE, NONFINITE_STEP = "loss spike", "grad-norm spike", "non-finite"
+MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): MAD x this estimates the standard deviation of normal noise
+RELATIVE_FLOOR = 1e-3  # the spread is at least this fraction of |median| (a flat window has MAD 0)
+EVENTS_FILE = "alarms.json"
+STOP_FILE = "alarm-stop-step={step}.ckpt"
+CAUSES = {
+    LOSS_SPIKE: "usual causes: a learning rate too high for this stage (model.lr, model.lr_warmup_steps), a bad "
+                "or repeated batch, or an activation outlier that a scale clipped (see sat/clipped_frac and "
+                "sat/min_headroom at this step)",
+    GRAD_NORM_SPIKE: "usual causes: an activation outlier (SwiGLU) or a saturating scale in the backward pass, or "
+                     "too high a learning rate; trainer.gradient_clip_val bounds the update",
+    NONFINITE_STEP: "the step was skipped (weights and optimizer moments unchanged); usual causes: an overflow in a "
+                    "high-precision op or a diverging update; model.max_consecutive_nonfinite stops the run after "
+                    "that many in a row",
+}
+
+
+def robust_z(value: float, history) -> tuple[float, float, float]:
+    """(z, median, spread) of ``value`` against ``history``: spread = max(1.4826 MAD, 0.1 % of |median|)."""
+    median = statistics.median(history)
+    mad = statistics.median(abs(v - median) for v in history)
+    spread = max(MAD_TO_SIGMA * mad, RELATIVE_FLOOR * abs(median))
+    if spread == 0.0:  # a window of zeros
+        return (0.0 if value == median else math.copysign(math.inf, value - median)), median, spread
+    return (value - median) / spread, median, spread
+
+
+class SpikeDetector:
+    """One series: the last ``window`` finite values; each new value is scored against them, then kept."""
+
+    def __init__(self, window: int, min_history: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+        self.min_history = min_history
+
+    def observe(self, value: float) -> tuple[float | None, float | None, int]:
+        """(z, median, values scored against) of ``value`` against the window before it (z and median None
+        while it holds < min_history values)."""
+        z = median = None
+        history = len(self.values)
+        if history >= self.min_history:
+            z, median, _ = robust_z(value, self.values)
+        self.values.append(value)
+        return z, median, history
+
+
+def _json_number(value):
+    """Non-finite floats as text ("nan", "inf"): JSON has no NaN."""
+    return value if value is None or math.isfinite(value) else str(value)
+
+
+class SpikeAlarm(L.Callback):
+    """Args:
+        enabled: watch the loss, the gradient norm and the non-finite steps.
+        window: the recent optimizer steps (finite values) each new value is scored against (>= 3).
+        z_threshold: alarm when (value - median) / (1.4826 MAD) exceeds this (> 0).
+        min_history: the values the window must hold before it can alarm (3 .. window): the first steps
+            (LR warmup, the first descent) only fill it. The MAD of a handful of values is a noisy scale (of 3,
+            it is the smaller of two gaps), so below about 10 expect false alarms.
+        action: ``warn`` (one log line per event) or ``stop`` (also save a checkpoint, stop, print the resume
+            command).
+        events_file: the JSON list of events written into the logger directory at the end of fit (null: none).
+    """
+
+    def __init__(self, enabled: bool = True, window: int = 64, z_threshold: float = 6.0, min_history: int = 16,
+                 action: Literal["warn", "stop"] = "warn", events_file: Optional[str] = EVENTS_FILE) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+            raise ConfigError(f"alarms.window: must be an integer >= 3 (steps), got {window!r}")
+        if isinstance(z_threshold, bool) or not isinstance(z_threshold, (int, float)) \
+                or not (math.isfinite(z_threshold) and z_threshold > 0):
+            raise ConfigError(f"alarms.z_threshold: must be a number > 0, got {z_threshold!r}")
+        if isinstance(min_history, bool) or not isinstance(min_history, int) or not 3 <= min_history <= window:
+            raise ConfigError(f"alarms.min_history: must be an integer from 3 to alarms.window ({window}), "
+                              f"got {min_history!r}")
+        if action not in ACTIONS:
+            raise ConfigError(f"alarms.action: unknown action {action!r}{did_you_mean(action, ACTIONS)}; "
+                              f"allowed: {', '.join(ACTIONS)}")
+        self.enabled, self.window, self.z_threshold, self.min_history = enabled, window, float(z_threshold), min_history
+        self.action, self.events_file = action, events_file
+        self.loss = SpikeDetector(window, min_history)
+        self.grad_norm = SpikeDetector(window, min_history)
+        self.events: list[dict] = []
+        self.last_z: dict[str, float] = {}  # the last step's z per metric (once its window is long enough)
+        self.nonfinite = 0  # skipped steps seen
+        self._skipped_seen: int | None = None  # the module's skipped_steps at the last read (checkpointed)
+        self._seen_step = -1
+        self._loss_sum: torch.Tensor | None = None  # the step's micro-batch losses, on the device
+        self._micro_batches = 0
+        self.events_path: str | None = None
+        self.stop_checkpoint: str | None = None
+
+    # ----------------------------------------------------------------------------------- checkpoint state
+    def state_dict(self) -> dict:
+        return {"loss_window": list(self.loss.values), "grad_norm_window": list(self.grad_norm.values),
+                "events": [dict(e) for e in self.events], "nonfinite": self.nonfinite,
+                "skipped_seen": self._skipped_seen}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loss.values.extend(state_dict.get("loss_window", []))  # deque(maxlen=window): the newest kept
+        self.grad_norm.values.extend(state_dict.get("grad_norm_window", []))
+        self.events = [dict(e) for e in state_dict.get("events", [])]
+        self.nonfinite = int(state_dict.get("nonfinite", 0))
+        self._skipped_seen = state_dict.get("skipped_seen")
+
+    # ------------------------------------------------------------------------------------- the decision
+    def observe(self, step: int, loss: float | None, grad_norm: float | None, nonfinite: bool) -> list[dict]:
+        """Score one optimizer step; returns its new events (also appended to :attr:`events`). A non-finite
+        (skipped) step is one event and enters neither window."""
+        new = []
+        self.last_z = {}
+        if nonfinite:
+            self.nonfinite += 1
+            value = loss if loss is None or not math.isfinite(loss) else grad_norm
+            new.append({"step": step, "kind": NONFINITE_STEP, "value": value, "median": None, "z": None,
+                        "loss": loss, "grad_norm": grad_norm})
+        else:
+            for kind, metric, detector, value in ((LOSS_SPIKE, LOSS_Z, self.loss, loss),
+                                                  (GRAD_NORM_SPIKE, GRAD_NORM_Z, self.grad_norm, grad_norm)):
+                if value is None:
+                    continue
+                z, median, history = detector.observe(value)
+                if z is None:
+                    continue
+                self.last_z[metric] = z
+                if z > self.z_threshold:
+                    new.append({"step": step, "kind": kind, "value": value, "median": median, "z": z,
+                                "history": history})
+        self.events.extend(new)
+        return new
+
+    def describe(self, event: dict) -> str:
+        """The one log line of an event."""
+        if event["kind"] == NONFINITE_STEP:
+            what = f"train/loss {event['loss']}, train/grad_norm {event['grad_norm']}"
+        else:
+            name = "train/loss" if event["kind"] == LOSS_SPIKE else "train/grad_norm"
+            what = (f"{name} {event['value']:.6g} vs median {event['median']:.6g} of the last "
+                    f"{event['history']} steps, robust z {event['z']:.1f} > {self.z_threshold:g}")
+        return f"alarm: {event['kind']} at step {event['step']}: {what}; {CAUSES[event['kind']]}"
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # a resumed run scored the step before the checkpoint already: start with the next one
+        self._seen_step = trainer.global_step
+        self._loss_sum, self._micro_batches = None, 0
+        skipped = getattr(pl_module, "skipped_steps", None)
+        if self.enabled and self._skipped_seen is None and skipped is not None:
+            self._skipped_seen = int(skipped)  # once per fit: a checkpoint without our state counts from here
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not self.enabled:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):  # divided by accumulate_grad_batches (Lightning's closure)
+            self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+            self._micro_batches += 1
+        step = trainer.global_step
+        if step == self._seen_step:  # the optimizer step is not done yet
+            return
+        self._seen_step = step
+        loss, grad_norm, nonfinite = self._read_step(trainer, pl_module)
+        new = self.observe(step - 1, loss, grad_norm, nonfinite)
+        metrics = {**self.last_z, EVENTS: float(len(self.events)), NONFINITE: float(self.nonfinite)}
+        for logger in trainer.loggers:  # at the step the values describe, as train/loss
+            logger.log_metrics(metrics, step=step - 1)
+        if trainer.is_global_zero:  # every rank holds the same events; one line each
+            for event in new:
+                log.warning(self.describe(event))
+        if new and self.action == "stop":
+            self._stop(trainer)
+
+    def _read_step(self, trainer, pl_module) -> tuple[float | None, float | None, bool]:
+        """(loss, gradient norm, skipped?) of the step just taken: one host transfer (after one all-reduce of
+        the loss when there are several ranks)."""
+        loss_sum, micro = self._loss_sum, self._micro_batches
+        self._loss_sum, self._micro_batches = None, 0
+        values, names = [], []
+        if loss_sum is not None:
+            loss = loss_sum.double() * (trainer.accumulate_grad_batches / micro)
+            if trainer.world_size > 1:
+                loss = trainer.strategy.reduce(loss, reduce_op="mean")
+            values.append(loss)
+            names.append("loss")
+        for name, attr in (("grad_norm", "last_grad_norm"), ("skipped", "skipped_steps")):
+            tensor = getattr(pl_module, attr, None)
+            if isinstance(tensor, torch.Tensor):
+                values.append(tensor.detach())
+                names.append(name)
+        if not values:
+            return None, None, False
+        device = values[0].device
+        read = dict(zip(names, torch.stack([v.to(device, torch.float64) for v in values]).tolist()))
+        loss, grad_norm = read.get("loss"), read.get("grad_norm")
+        if "skipped" in read:
+            skipped = int(read["skipped"])
+            nonfinite = skipped > (self._skipped_seen or 0)
+            self._skipped_seen = skipped
+        else:  # a module without the skip counter: a non-finite value is the event
+            nonfinite = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
+        return loss, grad_norm, nonfinite
+
+    def _stop(self, trainer) -> None:
+        log_dir = trainer.log_dir  # a broadcast: every rank
+        step = trainer.global_step
+        self.stop_checkpoint, command = stop_with_checkpoint(trainer, log_dir, STOP_FILE.format(step=step))
+        if trainer.is_global_zero:
+            message = (f"alarm: stopping at step {step} (alarms.action=stop); checkpoint {self.stop_checkpoint}. "
+                       f"Resume with: {command} (with a lower --model.lr, or --alarms.action warn to go on as before)")
+            log.warning(message)
+            print(message, flush=True)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled or not self.events_file:
+            return
+        directory = trainer.log_dir or trainer.default_root_dir  # a collective (broadcast): on every rank
+        if not trainer.is_global_zero:
+            return
+        counts = {kind: sum(e["kind"] == kind for e in self.events) for kind in CAUSES}
+        document = {
+            "global_step": trainer.global_step,
+            "settings": {"window": self.window, "z_threshold": self.z_threshold, "min_history": self.min_history,
+                         "action": self.action},
+            "definition": "z = (value - median) / max(1.4826 MAD, 0.1% of |median|) over the last `history` (at "
+                          "most `window`) finite values before the step; a spike is z > z_threshold; a non-finite "
+                          "step was skipped",
+            "counts": counts,
+            "causes": CAUSES,
+            "events": [{k: _json_number(v) if isinstance(v, float) else v for k, v in e.items()} for e in self.events],
+        }
+        os.makedirs(directory, exist_ok=True)
+        self.events_path = os.path.join(directory, self.events_file)
+        with open(self.events_path, "w") as f:
+            json.dump(document, f, indent=1)
+        if self.events:
+            log.info("alarms: %d events (%s); list in %s", len(self.events),
+                     ", ".join(f"{n} {kind}" for kind, n in counts.items() if n), self.events_path)

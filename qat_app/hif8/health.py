@@ -1,0 +1,195 @@
+"""Numeric health of a quantized tensor, and what the other amax estimators would have clipped on it.
+
+Two measurements of one fake quantization ``q = round(clamp(x * s, +-max_val))`` (``s`` the scale the
+tensor was quantized with), both device ops only (no host sync on the forward), accumulated per scaler
+(:mod:`.scaling`) and read once per logging step, counts summed over the data-parallel ranks:
+
+**Health**, on logging steps only (a host-side switch, :func:`qat_app.hif8.quantized.set_health_measurement`,
+set before the forward of such a step and cleared after: other steps pay nothing). One float64 vector per
+tensor (:data:`HEALTH_LEN`), every entry additive over micro-batches and ranks, so reductions are exact:
+
+    numel        elements measured
+    sum_x2       sum x^2                 } SQNR_dB = 10 log10(sum_x2 / sum_err2), float64 sums
+    sum_err2     sum (x - dequantized)^2 } (inf when the error is 0); dequantized: what the matmul used
+    underflow    x != 0 but q == 0
+    tiers        elements of q per precision tier, :data:`TIERS`: HiF8 by the unbiased exponent e of |q|:
+                 mant3 |e| <= 3, mant2 4..7, mant1 8..15, denormal |q| < 2^-15, zero q == 0 (the format's own
+                 table, :func:`qat_app.hif8.formats._mantissa_bits`); E4M3 / E5M2 have one normal tier, counted
+                 in the column of their mantissa width (E4M3: mant3, E5M2: mant2; the other two stay 0).
+                 A NaN q is in no tier; an infinite q (only with max_val beyond the format's range) is mant1
+    histogram    |x| on a fixed log grid: bin 0 holds the zeros, bin 1 + (float32 bits of |x| >> 20) the rest:
+                 one bin per exponent and top 3 mantissa bits, a width of 1/8..1/15 (~9 %) of the value
+
+q is computed exactly as the backends do (the format's rounding of ``clamp(x.float() * s)``, with the same
+noise under stochastic rounding), not rebuilt as ``dequantized * s`` (an ulp off at powers of two).
+:func:`summarize` turns summed vectors into the logged figures, among them the *outlier factor*
+amax / p99.9(|x|): p99.9 is read off the histogram as the lower edge of the bin holding the 99.9th
+percentile, so the factor is exact to the bin width: never below the true one, at most 12.5 % above it.
+
+**What-if**, on every quantized step: the elements that each estimator of :data:`WHATIF_ALGOS` would have
+clipped on the same tensor with the same history, by the one clipping definition of the real counter
+(``|x.float() * s| >= formats.saturation_threshold``, :func:`qat_app.hif8.fake_quant.saturated_mask`):
+``most_recent``, ``exp_smooth`` and ``max`` with the scales the scaler keeps for them (computed at each step
+boundary from the same history, :mod:`.scaler_bank`), ``current`` with the tensor's own amax (CTS clips
+nothing in a finite tensor; it is counted anyway, which shows it). The estimator the scaler runs counts
+exactly what the real counter counts. To first order only: the trajectory is the one actually trained
+(the weights and activations the *real* estimator produced), not the one another estimator would have led to.
+
+Both run as the fake quantization does (``fused``): plain torch with "off", else compiled by torch.compile
+into a few fused passes over the tensor (plain torch would take dozens: the HiF8 rounding alone is ~20 ops).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+
+import torch
+
+from .backends.reference import current_scale
+from .formats import Float8Format, _f32_bits, _mantissa_bits
+from .recipe import AMAX_ALGOS
+
+log = logging.getLogger(__name__)
+
+WHATIF_ALGOS = AMAX_ALGOS  # one what-if count per estimator, in this order
+DELAYED_ALGOS = tuple(a for a in WHATIF_ALGOS if a != "current")  # the ones whose scale the scaler keeps
+
+FIELDS = ("numel", "sum_x2", "sum_err2", "underflow")
+TIERS = ("mant3", "mant2", "mant1", "denormal", "zero")
+HIST_BINS = 1 + (0x7FFFFFFF >> 20) + 1  # zeros, then every (exponent, 3 mantissa bits) of a float32 magnitude
+TIER_OFFSET = len(FIELDS)
+HIST_OFFSET = TIER_OFFSET + len(TIERS)
+HEALTH_LEN = HIST_OFFSET + HIST_BINS
+OUTLIER_PERCENTILE = 0.999
+_NO_TIER = len(TIERS)  # NaN
+_ZERO, _DENORMAL = TIERS.index("zero"), TIERS.index("denormal")
+# E4M3 / E5M2: (torch dtype, the tier of their normals)
+_TORCH_FLOAT8 = {"e4m3": (torch.float8_e4m3fn, "mant3"), "e5m2": (torch.float8_e5m2, "mant2")}
+
+
+# ----------------------------------------------------------------------------------------------- health
+def precision_tier(q: torch.Tensor, fmt: Float8Format) -> torch.Tensor:
+    """Index into :data:`TIERS` of every element of ``q`` (float32 on the format's grid); len(TIERS) for NaN."""
+    magnitude = q.abs()
+    if fmt.name == "hif8":
+        exponent = (_f32_bits(magnitude) >> 23) - 127
+        tier = 3 - _mantissa_bits(exponent)  # 3, 2, 1 mantissa bits -> mant3, mant2, mant1; 0 (denormal) -> 3
+    else:
+        dtype, normal_tier = _TORCH_FLOAT8[fmt.name]
+        smallest_normal = torch.finfo(dtype).smallest_normal
+        tier = torch.where(magnitude < smallest_normal, _DENORMAL, TIERS.index(normal_tier))
+    tier = torch.where(magnitude == 0, _ZERO, tier)
+    return torch.where(torch.isnan(q), _NO_TIER, tier)
+
+
+def magnitude_bin(x: torch.Tensor) -> torch.Tensor:
+    """Histogram bin of |x| (float32): 0 for zeros, else 1 + (its bit pattern >> 20)."""
+    bits = _f32_bits(x) & 0x7FFFFFFF
+    return (bits >> 20) + (bits != 0).int()
+
+
+def bin_lower_edge(bins: torch.Tensor) -> torch.Tensor:
+    """The smallest |x| of each histogram bin (float32; 0 for bin 0)."""
+    bits = ((bins - 1).clamp(min=0) << 20).to(torch.int32)
+    return torch.where(bins > 0, bits.view(torch.float32), 0.0)
+
+
+@torch.no_grad()
+def measure_health(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Float8Format,
+                   dequantized: torch.Tensor, noise: torch.Tensor | None = None, fused: str = "off") -> torch.Tensor:
+    """The float64 health vector (:data:`HEALTH_LEN`, layout in the module docstring) of one quantization of
+    ``x`` with ``scale`` whose output was ``dequantized``; ``noise``: the stochastic-rounding bits it used.
+    ``fused``: see :func:`_run` (compiled, the counts are the same; the float64 sums may differ in the last bit,
+    being summed in another order)."""
+    return _run(_health_vector, fused, x.detach(), scale.detach(), float(max_val), fmt, dequantized.detach(), noise)
+
+
+def _health_vector(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Float8Format,
+                   dequantized: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    xf = x.float()
+    q = fmt.round_f32((xf * scale).clamp(-max_val, max_val), noise)
+    # one counting pass: (tier of q, bin of |x|) jointly; index_add_ (no host sync, unlike bincount on CUDA)
+    joint_index = (precision_tier(q, fmt) * HIST_BINS + magnitude_bin(xf)).reshape(-1)
+    joint = torch.zeros((len(TIERS) + 1) * HIST_BINS, dtype=torch.int64, device=x.device)
+    joint.index_add_(0, joint_index, torch.ones((), dtype=torch.int64, device=x.device).expand(joint_index.numel()))
+    joint = joint.view(len(TIERS) + 1, HIST_BINS).double()
+    signal = xf.double().reshape(-1)
+    error = signal - dequantized.double().reshape(-1)
+    fields = torch.stack([joint.sum(), torch.dot(signal, signal), torch.dot(error, error), joint[_ZERO, 1:].sum()])
+    return torch.cat([fields, joint[: len(TIERS)].sum(dim=1), joint.sum(dim=0)])
+
+
+def summarize(health: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The logged figures of summed health vectors ``health`` [m, HEALTH_LEN] with their tensors' amax [m]
+    (host or device; float64): sqnr_db, underflow_frac, outlier_factor and tier/<name> fractions, each [m].
+    NaN where a figure is undefined (nothing measured; amax 0; p99.9 of |x| is 0)."""
+    health = health.double()
+    numel = health[:, FIELDS.index("numel")]
+    per_element = torch.where(numel > 0, 1.0 / numel, math.nan)
+    sum_x2, sum_err2 = health[:, FIELDS.index("sum_x2")], health[:, FIELDS.index("sum_err2")]
+    sqnr_db = torch.where(sum_err2 > 0, 10.0 * torch.log10(sum_x2 / sum_err2), math.inf)
+    sqnr_db = torch.where((numel > 0) & (sum_x2 > 0), sqnr_db, math.nan)
+    histogram = health[:, HIST_OFFSET:]
+    rank = torch.ceil(OUTLIER_PERCENTILE * numel)[:, None]  # the p99.9 element, counted from the smallest
+    bins = torch.searchsorted(histogram.cumsum(dim=1), rank.clamp(min=1)).squeeze(1).clamp(max=HIST_BINS - 1)
+    p999 = bin_lower_edge(bins).double()
+    amax = amax.double().to(health.device)
+    outlier = torch.where((p999 > 0) & (amax > 0) & (numel > 0), amax / p999, math.nan)
+    out = {"sqnr_db": sqnr_db, "underflow_frac": health[:, FIELDS.index("underflow")] * per_element,
+           "outlier_factor": outlier}
+    for k, name in enumerate(TIERS):
+        out[f"tier/{name}"] = health[:, TIER_OFFSET + k] * per_element
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- what-if
+def _count_whatif(x: torch.Tensor, scales_and_amax: torch.Tensor, max_val: float, margin: float,
+                  threshold: float) -> torch.Tensor:
+    """int64 [len(WHATIF_ALGOS)]: elements of ``x`` clipped under each estimator's scale. ``scales_and_amax``:
+    the delayed estimators' scales in :data:`DELAYED_ALGOS` order, then ``x``'s amax, from which current
+    scaling takes its scale as ``fake_quantize_current`` does (falling back to most_recent's scale)."""
+    delayed, amax = scales_and_amax[: len(DELAYED_ALGOS)], scales_and_amax[len(DELAYED_ALGOS)]
+    current = current_scale(amax, max_val, margin, delayed[DELAYED_ALGOS.index("most_recent")])
+    scales = torch.cat([delayed, current.reshape(1)])
+    magnitude = x.float().abs()  # scales are > 0, so |x * s| == |x| * s exactly
+    return torch.stack([(magnitude * scales[k] >= threshold).sum() for k in range(len(WHATIF_ALGOS))])
+
+
+def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Tensor, max_val: float, margin: float,
+                   threshold: float, fused: str = "off") -> torch.Tensor:
+    """The what-if clipped counts of ``x`` (int64 [len(WHATIF_ALGOS)], device ops only): under the scales of the
+    delayed estimators (:data:`DELAYED_ALGOS` order) and under current scaling from ``amax`` (``x``'s).
+
+    ``fused``: see :func:`_run`. The small inputs travel in one new tensor, so that the compiled function does
+    not see the scaler's buffer views (each view's offset would be another compilation).
+    """
+    scales_and_amax = torch.cat([delayed_scales, amax.float().reshape(1)])
+    return _run(_count_whatif, fused, x.detach(), scales_and_amax, float(max_val), float(margin), float(threshold))
+
+
+# ----------------------------------------------------------------------------------------------- how they run
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+_compile_failed: set = set()  # the functions whose compilation failed here ("auto" then runs them in plain torch)
+
+
+def _run(fn, fused: str, *args):
+    """``fn(*args)`` as the fake quantization runs (``fused``): "off" plain torch; "auto"/"on" compiled
+    (torch.compile: a few fused passes over the tensor instead of dozens; also on the Triton path, whose kernel
+    does not compute these), "auto" falling back to plain torch (same numbers) where the compiler fails.
+    Tensors come detached (``requires_grad`` would be one more compilation)."""
+    if fused != "off" and fn not in _compile_failed and os.environ.get("QAT_APP_NO_COMPILE") != "1":
+        try:
+            return _compiled(fn)(*args)
+        except Exception as err:
+            if fused == "on":
+                raise
+            _compile_failed.add(fn)
+            log.warning("torch.compile of %s failed (%s); using plain torch", fn.__name__, err)
+    return fn(*args)

@@ -1,0 +1,326 @@
+"""The report's what-if and numeric-health tables: what the other amax estimators would have clipped, and which
+quantized tensors lose the most precision (the figures are defined in :mod:`qat_app.hif8.health`).
+
+Read from what :class:`callbacks.saturation.AmaxSaturationCallback` wrote:
+
+- **what-if**, per estimator of :data:`~qat_app.hif8.health.WHATIF_ALGOS`: the elements its scale would have clipped
+  (summed over tensors and steps) and the saturation events (tensor-steps with >= 1 such element, the real counter's
+  definition), next to the real counter. From ``saturation_summary.json``'s ``whatif`` totals, else the sums of the
+  per-step ``whatif/<algo>/clipped|events`` columns of metrics.csv. To first order only: every estimator is measured
+  on the trajectory trained with the run's own estimator.
+- **health**, per tensor: its worst SQNR and the step of it, and its figures at its last logged step (SQNR,
+  underflow, outlier factor, precision tiers). From the summary's per-tensor ``health`` (and ``health_worst``), else
+  the ``health/<tensor>/<figure>`` columns; per run: the min SQNR, the underflow fraction over all tensors, the
+  largest outlier factor.
+
+A run written before these keys existed has neither: its entry is ``{"recorded": False, "note": ...}`` and the
+tables say "not recorded".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..hif8.health import TIERS, WHATIF_ALGOS
+from ..hif8.inventory import OPERANDS
+from ..hif8.recipe import DEFAULT_BLOCK_PATTERN
+from .runs import METRICS_FILE, SUMMARY_FILE, Run, natural_key
+
+# the per-tensor figures of qat_app.hif8.health.summarize, as logged under health/<tensor>/
+TIER_FIGURES = tuple(f"tier/{tier}" for tier in TIERS)
+TENSOR_FIGURES = ("sqnr_db", "underflow_frac", "outlier_factor", *TIER_FIGURES)
+RUN_MIN_SQNR = "health/min_sqnr_db"  # over the tensors of one logged step
+RUN_UNDERFLOW = "health/underflow_frac"  # underflowed elements of all tensors over their elements, one logged step
+REAL_CLIPPED, REAL_EVENTS = "sat/clipped", "sat/events"  # the real counter, per step
+WHATIF_COUNTS = ("clipped", "events")
+TOP_TENSORS = 10  # rows of the worst-tensor table in results.md (results.json keeps every tensor)
+NOT_RECORDED = "not recorded"
+# module names in a decoder block's forward order: orders the tensors of a run without a summary (which lists them in
+# the model's order); other names follow by name
+FORWARD_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+WHATIF_CAVEAT = ("to first order: each estimator is measured on the tensors and amax history of the trajectory "
+                 "actually trained with the run's own estimator, not on the one it would have led to")
+
+
+def whatif_column(algo: str, count: str) -> str:
+    return f"whatif/{algo}/{count}"
+
+
+def health_column(tensor: str, figure: str) -> str:
+    return f"health/{tensor}/{figure}"
+
+
+def estimator_used(run: Run) -> str | None:
+    """The amax estimator the run quantized with (its config's ``model.quant.amax_algo``); None without a config."""
+    algo = run.setting("model.quant.amax_algo")
+    return str(algo) if algo is not None else None
+
+
+def _csv_total(run: Run, column: str) -> int:
+    return int(round(sum(v for v in run.series(column).values() if math.isfinite(v))))
+
+
+# ----------------------------------------------------------------------------------------------- what-if
+def whatif_stats(run: Run) -> dict:
+    """The what-if totals per estimator with the real counter's, from the summary or else from metrics.csv."""
+    summary = run.summary or {}
+    recorded = summary.get("whatif")
+    if isinstance(recorded, dict) and recorded:
+        estimators = {algo: {count: int(recorded[algo].get(count) or 0) for count in WHATIF_COUNTS}
+                      for algo in WHATIF_ALGOS if isinstance(recorded.get(algo), dict)}
+        real = {"clipped": int(summary["clipped"]), "events": int(summary["saturation_events"])}
+        source = SUMMARY_FILE  # a file name, not its path: a report's numbers do not depend on where the run lives
+    elif any(whatif_column(algo, "clipped") in run.columns for algo in WHATIF_ALGOS):
+        estimators = {algo: {count: _csv_total(run, whatif_column(algo, count)) for count in WHATIF_COUNTS}
+                      for algo in WHATIF_ALGOS if whatif_column(algo, "clipped") in run.columns}
+        real = {"clipped": _csv_total(run, REAL_CLIPPED), "events": _csv_total(run, REAL_EVENTS)}
+        source = f"{METRICS_FILE} (sums of the per-step whatif/<estimator>/clipped|events columns)"
+    else:
+        return {"recorded": False, "note": f"{NOT_RECORDED} (no whatif/* columns in {METRICS_FILE} and no 'whatif' "
+                                           f"in {SUMMARY_FILE}: a run made before the what-if statistics existed)"}
+    used = estimator_used(run)
+    # the estimator the scaler ran counts what the real counter counts: a difference means mismatched inputs
+    matches = estimators[used] == real if used in estimators else None
+    return {"recorded": True, "estimator_used": used, "estimators": estimators, "real": real,
+            "used_matches_real": matches, "source": source, "caveat": WHATIF_CAVEAT}
+
+
+def cumulative(series: dict[int, float]) -> dict[int, float]:
+    """step -> the running sum of a per-step count (non-finite steps add nothing)."""
+    total, out = 0.0, {}
+    for step, value in sorted(series.items()):
+        total += value if math.isfinite(value) else 0.0
+        out[step] = total
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- health
+def _tensor_entry(worst_db, worst_step, last: dict | None) -> dict:
+    return {"worst_sqnr_db": worst_db, "worst_sqnr_step": worst_step, "last": last}
+
+
+def _health_from_summary(summary: dict) -> dict[str, dict]:
+    """tensor -> entry, from the summary's per-tensor ``health`` and its ``health_worst`` list (either may be absent)."""
+    entries: dict[str, dict] = {}
+    for name, tensor in (summary.get("tensors") or {}).items():
+        health = tensor.get("health") if isinstance(tensor, dict) else None
+        if isinstance(health, dict) and health.get("last"):
+            entries[name] = _tensor_entry(health.get("worst_sqnr_db"), health.get("worst_sqnr_step"), health["last"])
+    for item in summary.get("health_worst") or []:
+        if isinstance(item, dict) and item.get("tensor") and item["tensor"] not in entries:
+            entries[item["tensor"]] = _tensor_entry(item.get("worst_sqnr_db"), item.get("step"), item.get("last"))
+    return entries
+
+
+def health_tensors_in_csv(run: Run) -> list[str]:
+    """Tensors with a ``health/<tensor>/<figure>`` column."""
+    names = set()
+    for column in run.columns:
+        if column.startswith("health/"):
+            for figure in TENSOR_FIGURES:
+                if column.endswith("/" + figure) and column.count("/") > figure.count("/") + 1:
+                    names.add(column[len("health/"):-len(figure) - 1])
+    return sorted(names, key=natural_key)
+
+
+def _health_from_csv(run: Run) -> dict[str, dict]:
+    entries = {}
+    for name in health_tensors_in_csv(run):
+        series = {figure: run.series(health_column(name, figure)) for figure in TENSOR_FIGURES}
+        last_step = max(step for values in series.values() for step in values)
+        last = {"step": last_step, **{figure: values.get(last_step) for figure, values in series.items()}}
+        sqnr = {s: v for s, v in series["sqnr_db"].items() if math.isfinite(v)}
+        worst_step = min(sqnr, key=lambda s: (sqnr[s], s)) if sqnr else None
+        entries[name] = _tensor_entry(sqnr[worst_step] if sqnr else None, worst_step, last)
+    return entries
+
+
+def worst_first(entries: dict[str, dict]) -> list[dict]:
+    """Tensors by their worst SQNR, lowest first; those without a finite one (quantized without error) last."""
+    def key(name):
+        db = entries[name]["worst_sqnr_db"]
+        finite = isinstance(db, (int, float)) and math.isfinite(db)
+        return (not finite, db if finite else 0.0, natural_key(name))
+
+    return [{"tensor": name, **entries[name]} for name in sorted(entries, key=key)]
+
+
+def health_stats(run: Run) -> dict:
+    """Per tensor (worst SQNR first) and per run: min SQNR, underflow, outlier factor; ``recorded`` False for a
+    run that logged no health."""
+    entries = _health_from_summary(run.summary or {})
+    source = SUMMARY_FILE
+    if not entries:
+        entries, source = _health_from_csv(run), f"{METRICS_FILE} (health/<tensor>/<figure> columns)"
+    if not entries:
+        return {"recorded": False, "note": f"{NOT_RECORDED} (no health/* columns in {METRICS_FILE} and no 'health' in "
+                                           f"{SUMMARY_FILE}: a run made before the health figures existed, or "
+                                           "saturation.health=false)"}
+    tensors = worst_first(entries)
+    worst = tensors[0] if isinstance(tensors[0]["worst_sqnr_db"], (int, float)) else None
+    outliers = {t["tensor"]: t["last"].get("outlier_factor") for t in tensors if t["last"]}
+    outliers = {name: v for name, v in outliers.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    underflow = run.series(RUN_UNDERFLOW)
+    steps = sorted({s for column in (RUN_MIN_SQNR, RUN_UNDERFLOW) for s in run.series(column)})
+    max_underflow_step = max(underflow, key=lambda s: (underflow[s], -s)) if underflow else None
+    largest = max(outliers, key=outliers.get) if outliers else None
+    return {
+        "recorded": True, "source": source, "tensors": tensors,
+        "min_sqnr_db": (worst or {}).get("worst_sqnr_db"), "min_sqnr_step": (worst or {}).get("worst_sqnr_step"),
+        "min_sqnr_tensor": (worst or {}).get("tensor"),
+        "underflow_frac": underflow[max(underflow)] if underflow else None,
+        "underflow_frac_step": max(underflow) if underflow else None,
+        "max_underflow_frac": underflow[max_underflow_step] if underflow else None,
+        "max_underflow_frac_step": max_underflow_step,
+        "max_outlier_factor": outliers[largest] if largest else None, "max_outlier_tensor": largest,
+        "logged_steps": len(steps) or None,
+    }
+
+
+def _block_regex(run: Run) -> re.Pattern:
+    return re.compile(str(run.setting("model.quant.block_pattern", DEFAULT_BLOCK_PATTERN)))
+
+
+def _block_and_kind(block_regex: re.Pattern, name: str) -> tuple[int | None, str]:
+    found = block_regex.search(name + ".")
+    if found is None or found.end() > len(name):
+        return None, name
+    return int(found.group(1)), name[found.end():]
+
+
+def module_kind(run: Run, tensor: str) -> tuple[int | None, str]:
+    """(decoder block, the tensor's name inside its block: ``mlp.down_proj.input``); block None outside the blocks."""
+    return _block_and_kind(_block_regex(run), tensor)
+
+
+def tensor_order(run: Run, names: list[str]) -> list[str]:
+    """Tensors by decoder block, then module in the model's order (the summary's, else :data:`FORWARD_ORDER`, then
+    by name), then operand (input, weight, grad); tensors outside the blocks last."""
+    block_regex = _block_regex(run)
+    operand_rank = {operand: i for i, operand in enumerate(OPERANDS)}
+
+    def split(name: str) -> tuple[int | None, str, str]:
+        module, _, operand = name.rpartition(".")
+        return (*_block_and_kind(block_regex, module), operand)
+
+    in_model_order = [split(name)[1] for name in (run.summary or {}).get("tensors") or {}]
+    def forward_rank(kind: str):
+        last = kind.rsplit(".", 1)[-1]
+        return (FORWARD_ORDER.index(last) if last in FORWARD_ORDER else len(FORWARD_ORDER), natural_key(kind))
+
+    kinds = list(dict.fromkeys(in_model_order + sorted((split(n)[1] for n in names), key=forward_rank)))
+
+    def key(name: str):
+        block, kind, operand = split(name)
+        return (block is None, block or 0, kinds.index(kind), operand_rank.get(operand, len(OPERANDS)), natural_key(name))
+
+    return sorted(names, key=key)
+
+
+# ----------------------------------------------------------------------------------------------- tables
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+def _vs_real(clipped: int, real: int) -> str:
+    difference = clipped - real
+    ratio = f" ({clipped / real:.3g}×)" if real else ""
+    return "= real" if difference == 0 else f"{difference:+,d}{ratio}"
+
+
+def render_whatif(results: list[dict]) -> list[str]:
+    """Markdown lines: one row per (QAT run, estimator), the run's own estimator first."""
+    lines = ["", "## What-if: the other amax estimators on the same tensors", "",
+             f"Clipped elements each estimator's scale would have clipped, summed over tensors and steps; saturation "
+             f"events = tensor-steps with ≥ 1 clipped element (as for the real clipping). {WHATIF_CAVEAT.capitalize()} "
+             "(another estimator would have trained a slightly different model). *used*: the run's own estimator, whose "
+             "numbers are the real ones. Figure: whatif_clipped.png (cumulative clipped elements per estimator).", "",
+             "| run | estimator | clipped elements | saturation events | clipped vs real |", "|---|---|---:|---:|---:|"]
+    for r in results:
+        w = r.get("whatif") or {"recorded": False, "note": NOT_RECORDED}
+        if not w["recorded"]:
+            lines.append(f"| `{r['label']}` | {w['note']} | – | – | – |")
+            continue
+        used = w["estimator_used"]
+        real = w["real"]
+        order = ([used] if used in w["estimators"] else []) + [a for a in w["estimators"] if a != used]
+        for algo in order:
+            counts = w["estimators"][algo]
+            name = f"`{algo}` (used)" if algo == used else f"`{algo}`"
+            lines.append(f"| `{r['label']}` | {name} | {counts['clipped']:,d} | {counts['events']:,d} | "
+                         f"{_vs_real(counts['clipped'], real['clipped'])} |")
+        lines.append(f"| `{r['label']}` | real: what the run clipped (sat/clipped) | {real['clipped']:,d} | "
+                     f"{real['events']:,d} | |")
+    for r in results:
+        w = r.get("whatif") or {}
+        if w.get("recorded") and w["used_matches_real"] is False:
+            own, real = w["estimators"][w["estimator_used"]], w["real"]
+            lines.append(f"\n> **note:** `{r['label']}`: its own estimator `{w['estimator_used']}` gives {own['clipped']:,d} "
+                         f"clipped / {own['events']:,d} events, but the run clipped {real['clipped']:,d} / "
+                         f"{real['events']:,d} ({w['source']}): the two should be equal")
+        elif w.get("recorded") and w["estimator_used"] is None:
+            lines.append(f"\n`{r['label']}`: no config.yaml, so the estimator it used is not known.")
+    return lines
+
+
+def _tiers_cell(last: dict | None) -> str:
+    if not last:
+        return "–"
+    return " / ".join(_fmt(None if last.get(f) is None else 100 * last[f], ".1f") for f in TIER_FIGURES)
+
+
+def render_health(results: list[dict], top: int = TOP_TENSORS) -> list[str]:
+    """Markdown lines: the run-level figures side by side, then each run's worst tensors by SQNR."""
+    tier_names = " / ".join(TIERS)
+    lines = ["", "## Numeric health", "",
+             "Measured on the logged steps (every `log_every_n_steps`) on each quantized tensor: SQNR = 10 log10(Σx² / "
+             "Σ(x − dequantized)²) in dB (higher is better; each halving of the error adds 6 dB); underflow = non-zero "
+             "elements quantized to 0, over all elements; outlier factor = amax / p99.9(|x|) (at most 12.5 % high); "
+             f"tiers: % of elements by the mantissa bits of their quantized value ({tier_names}). "
+             "Figures: sqnr_heatmap.png (SQNR per tensor and step), precision_tiers.png (tier fractions at the last "
+             "logged step).", "",
+             "| | " + " | ".join(f"`{r['label']}`" for r in results) + " |", "|---|" + "---:|" * len(results)]
+
+    def at(value, spec: str, where: str) -> str:  # "value (where)", or "–" without a value
+        return "–" if value is None else f"{_fmt(value, spec)} ({where})"
+
+    run_rows = {
+        "min SQNR (dB)": lambda h: at(h["min_sqnr_db"], ".2f", f"step {h['min_sqnr_step']}, `{h['min_sqnr_tensor']}`"),
+        "underflow fraction, last logged step": lambda h: _fmt(h["underflow_frac"], ".3e"),
+        "max underflow fraction": lambda h: at(h["max_underflow_frac"], ".3e", f"step {h['max_underflow_frac_step']}"),
+        "max outlier factor, last logged": lambda h: at(h["max_outlier_factor"], ".3g", f"`{h['max_outlier_tensor']}`"),
+        "tensors measured": lambda h: str(len(h["tensors"])),
+    }
+    healths = [r.get("health") or {"recorded": False} for r in results]
+    for title, cell in run_rows.items():
+        lines.append(f"| {title} | " + " | ".join(cell(h) if h["recorded"] else NOT_RECORDED for h in healths) + " |")
+    for r in results:
+        h = r.get("health") or {"recorded": False}
+        if not h["recorded"]:
+            lines.append(f"\n`{r['label']}`: numeric health {h.get('note', NOT_RECORDED)}.")
+            continue
+        shown = h["tensors"][:top]
+        lines += ["", f"### `{r['label']}`: the {len(shown)} worst tensors by SQNR (of {len(h['tensors'])})", "",
+                  f"| # | tensor | worst SQNR (dB) | at step | last SQNR (dB) | last underflow | last outlier factor | "
+                  f"tiers % ({tier_names}) |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+        for rank, t in enumerate(shown, start=1):
+            last = t["last"] or {}
+            cells = [str(rank), f"`{t['tensor']}`", _fmt(t["worst_sqnr_db"], ".2f"), _fmt(t["worst_sqnr_step"], "d"),
+                     _fmt(last.get("sqnr_db"), ".2f"), _fmt(last.get("underflow_frac"), ".2e"),
+                     _fmt(last.get("outlier_factor"), ".3g"), _tiers_cell(last)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def health_scalars(result: dict) -> dict[str, object]:
+    """results.csv scalars of one QAT run: what-if totals per estimator, the run-level health figures."""
+    out: dict[str, object] = {}
+    w = result.get("whatif") or {}
+    for algo, counts in (w.get("estimators") or {}).items():
+        out.update({f"whatif_{algo}_{count}": counts[count] for count in WHATIF_COUNTS})
+    h = result.get("health") or {}
+    if h.get("recorded"):
+        out.update({f"health_{key}": h[key] for key in ("min_sqnr_db", "min_sqnr_step", "underflow_frac",
+                                                        "max_underflow_frac", "max_outlier_factor")})
+    return out

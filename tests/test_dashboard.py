@@ -1,0 +1,167 @@
+"""The TensorBoard dashboard and the memory breakdown: a tiny fit's event file read back with TensorBoard's own
+EventAccumulator holds the custom-scalars layout (every category, and the charts' regexes match the tags the run
+wrote) and the mem/* scalars, equal to the bytes counted independently from the model and the optimizer;
+the layout is a no-op without a TensorBoard logger; DTensor shards are counted by their local part."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+import main as cli
+from callbacks import MemoryMonitor, TensorBoardDashboard
+from callbacks.dashboard import LAYOUT
+from callbacks.memory import GRADS_MB, MIB, OPTIMIZER_MB, PARAMS_MB, RSS_MB, tensor_bytes
+from tests._cli_runs import WARMUP, write_config
+
+LAYOUT_TAG = "custom_scalars__config__"  # where SummaryWriter.add_custom_scalars puts the layout
+STEPS, EVERY = 5, 2
+# categories whose tags this codebase's tiny fit writes (health / what-if need the core's statistics, forgetting
+# needs benchmarks: their charts are checked for presence only)
+WRITTEN_HERE = ("saturation", "training", "memory")
+
+
+def _read(log_dir) -> EventAccumulator:
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def _layout(events: EventAccumulator) -> dict[str, dict[str, list[str]]]:
+    [written] = events.Tensors(LAYOUT_TAG)
+    layout = layout_pb2.Layout.FromString(written.tensor_proto.string_val[0])
+    return {c.title: {chart.title: list(chart.multiline.tag) for chart in c.chart} for c in layout.category}
+
+
+def independent_parameter_bytes(model: torch.nn.Module) -> int:
+    """Each storage once (the tiny Llama ties its embedding and output weights)."""
+    by_storage = {p.data_ptr(): p for _, p in model.named_parameters(remove_duplicate=False)}
+    return sum(p.numel() * p.element_size() for p in by_storage.values())
+
+
+@pytest.fixture(scope="module")
+def tensorboard_fit(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    tmp = tmp_path_factory.mktemp("dashboard")
+    config = write_config(tmp, tiny_model_dir, tiny_corpus, **{
+        "trainer.max_steps": STEPS, "trainer.log_every_n_steps": EVERY, "trainer.callbacks": [],
+        "trainer.logger": [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                            "init_args": {"save_dir": str(tmp), "name": "tb"}}],
+        "alarms": {"min_history": 3}, "throughput": {"window_size": 2}})
+    run = cli.cli_main(["fit", "--config", config])
+    return run, _read(run.trainer.log_dir)
+
+
+@pytest.mark.slow
+def test_the_layout_is_in_the_event_file_and_matches_the_runs_tags(tensorboard_fit):
+    run, events = tensorboard_fit
+    dashboard = next(c for c in run.trainer.callbacks if isinstance(c, TensorBoardDashboard))
+    assert dashboard.written_to == [run.trainer.log_dir]
+    layout = _layout(events)
+    assert list(layout) == ["saturation", "numeric health", "what-if estimators", "training", "forgetting", "memory"]
+    assert layout == {category: {title: chart[1] for title, chart in charts.items()} for category, charts in LAYOUT.items()}
+    scalars = events.Tags()["scalars"]
+    for category in WRITTEN_HERE:
+        for title, patterns in layout[category].items():
+            matched = [t for t in scalars if any(re.match(p, t) for p in patterns)]
+            assert matched, f"{category} / {title}: no tag matches {patterns}"
+    assert any(re.match(r"sat/.*clipped_frac", t) and t != "sat/clipped_frac" for t in scalars)  # per layer too
+
+
+@pytest.mark.slow
+def test_memory_scalars_equal_the_bytes_counted_independently(tensorboard_fit):
+    run, events = tensorboard_fit
+    module, optimizer = run.model, run.trainer.optimizers[0]
+    params = independent_parameter_bytes(module)
+    steps = [s for s in range(STEPS) if (s + 1) % EVERY == 0]  # logged at the step they describe
+    values = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in (PARAMS_MB, GRADS_MB, OPTIMIZER_MB, RSS_MB)}
+    assert all(sorted(v) == steps for v in values.values()), values
+    # AdamW holds two moments of each parameter's shape and dtype, and a step count per parameter
+    step_bytes = sum(s["step"].numel() * s["step"].element_size() for s in optimizer.state.values())
+    assert len(optimizer.state) == sum(1 for p in module.parameters() if p.requires_grad)
+    for step in steps:
+        assert values[PARAMS_MB][step] * MIB == pytest.approx(params, rel=1e-6)  # TensorBoard keeps float32
+        assert values[GRADS_MB][step] == pytest.approx(values[PARAMS_MB][step], rel=1e-6)  # every parameter trains
+        assert values[OPTIMIZER_MB][step] * MIB == pytest.approx(2 * params + step_bytes, rel=1e-6)
+        persistent = values[PARAMS_MB][step] + values[GRADS_MB][step] + values[OPTIMIZER_MB][step]
+        assert values[RSS_MB][step] > persistent > 0  # the process holds them and more
+    assert WARMUP < STEPS  # the quantized steps are among the measured ones
+
+
+def test_the_layout_written_to_a_tensorboard_logger_reads_back(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    dashboard = TensorBoardDashboard()
+    dashboard.on_fit_start(SimpleNamespace(is_global_zero=True, loggers=[logger]), None)
+    assert dashboard.written_to == [logger.log_dir]
+    layout = _layout(_read(logger.log_dir))
+    assert layout == {category: {title: chart[1] for title, chart in charts.items()} for category, charts in LAYOUT.items()}
+    assert layout["memory"]["breakdown (MiB)"] == [re.escape(t) + "$" for t in (PARAMS_MB, GRADS_MB, OPTIMIZER_MB,
+                                                                                   "mem/activations_peak_mb")]
+
+
+def test_the_dashboard_is_a_no_op_without_tensorboard(tmp_path):
+    csv_only = SimpleNamespace(is_global_zero=True, loggers=[CSVLogger(str(tmp_path))])
+    dashboard = TensorBoardDashboard()
+    dashboard.on_fit_start(csv_only, None)
+    assert dashboard.written_to == [] and not any(tmp_path.rglob("events.out.tfevents*"))
+    off = SimpleNamespace(is_global_zero=True, loggers=[TensorBoardLogger(str(tmp_path), name="tb")])
+    TensorBoardDashboard(enabled=False).on_fit_start(off, None)
+    assert not any(tmp_path.rglob("events.out.tfevents*"))
+
+
+def test_sharded_tensors_count_their_local_shard():
+    """A DTensor (FSDP2's parameters, gradients and moments) counts the bytes of its local shard, not of the
+    global tensor it stands for."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            local = torch.zeros(4, 8)
+            # as one of 2 ranks would hold it: half of an (8, 8) float32 tensor
+            sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([8, 8]),
+                                         stride=(8, 1))
+            assert sharded.numel() == 64
+            assert tensor_bytes([sharded]) == 4 * 8 * 4
+            assert tensor_bytes([sharded, sharded, torch.zeros(3, dtype=torch.bfloat16)]) == 4 * 8 * 4 + 3 * 2
+        finally:
+            dist.destroy_process_group()
+
+
+def test_memory_breakdown_of_one_optimizer_step():
+    """A linear layer and AdamW through the monitor's hooks (CPU): parameters, gradients, the two moments."""
+    layer = torch.nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    module = SimpleNamespace(parameters=layer.parameters, device=torch.device("cpu"))
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics)))
+    trainer = SimpleNamespace(global_step=0, log_every_n_steps=1, loggers=[logger], is_global_zero=True,
+                              optimizers=[optimizer])
+    monitor = MemoryMonitor()
+    monitor.on_train_start(trainer, module)
+    layer(torch.randn(4, 16)).sum().backward()
+    monitor.on_before_optimizer_step(trainer, module, optimizer)
+    optimizer.step()
+    trainer.global_step = 1
+    monitor.on_train_batch_end(trainer, module, None, None, 0)
+    params = (16 * 8 + 8) * 4
+    [(step, metrics)] = logged
+    assert step == 0 and metrics[PARAMS_MB] * MIB == params and metrics[GRADS_MB] * MIB == params
+    assert metrics[OPTIMIZER_MB] * MIB == 2 * params + 2 * optimizer.state[layer.bias]["step"].element_size()
+    assert metrics[RSS_MB] > 0
+
+
+def test_memory_monitor_is_off_when_disabled():
+    monitor = MemoryMonitor(enabled=False)
+    trainer = SimpleNamespace(global_step=2, log_every_n_steps=1, loggers=[], is_global_zero=True)
+    monitor.on_train_batch_end(trainer, None, None, None, 0)
+    assert monitor.last == {}
