@@ -101,12 +101,14 @@ def gather_columns(pairs, fields, count_fields=()) -> dict[str, torch.Tensor]:
     return {f: c.squeeze(1) if f != HEALTH and getattr(first, f).dim() == 0 else c for f, c in zip(names, columns)}
 
 
+def as_rows(columns: dict[str, torch.Tensor], names) -> list[list[float]]:
+    """The 0-d-buffer ``columns`` named ``names`` as rows, one per scaler (none without scalers)."""
+    return torch.stack([columns[f] for f in names], dim=1).tolist() if columns else []
+
+
 def gather(pairs, fields, count_fields=()) -> list[list[float]]:
     """:func:`gather_columns` of 0-d buffers as rows, one per scaler: ``fields`` then ``count_fields``."""
-    columns = gather_columns(pairs, fields, count_fields)
-    if not columns:
-        return []
-    return torch.stack([columns[f] for f in (*fields, *count_fields)], dim=1).tolist()
+    return as_rows(gather_columns(pairs, fields, count_fields), (*fields, *count_fields))
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -172,7 +174,7 @@ class AmaxSaturationCallback(L.Callback):
         log_layers = step % max(1, trainer.log_every_n_steps) == 0
         health_step = self.health and log_layers  # the step that ended was measured (on_train_batch_start)
         columns = gather_columns(pairs, FIELDS, COUNT_FIELDS + (WHATIF_COUNT,) + ((HEALTH,) if health_step else ()))
-        rows = torch.stack([columns[f] for f in FIELDS + COUNT_FIELDS], dim=1).tolist()
+        rows = as_rows(columns, FIELDS + COUNT_FIELDS)
         clipped = sum(r[3] for r in rows)
         numel = sum(r[4] for r in rows)
         for (name, _), row in zip(pairs, rows):
@@ -237,7 +239,7 @@ class AmaxSaturationCallback(L.Callback):
         pairs = named_scalers(pl_module.model)
         columns = gather_columns(pairs, TOTAL_FIELDS + ("whatif_events",),
                                  TOTAL_COUNT_FIELDS + ("total_whatif_clipped",))
-        rows = torch.stack([columns[f] for f in TOTAL_FIELDS + TOTAL_COUNT_FIELDS], dim=1).tolist() if pairs else []
+        rows = as_rows(columns, TOTAL_FIELDS + TOTAL_COUNT_FIELDS)
 
         def whatif_of(index: int) -> dict[str, dict[str, int]]:
             clipped, events = columns["total_whatif_clipped"][index], columns["whatif_events"][index]

@@ -122,6 +122,13 @@ def _health_vector(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Fl
     return torch.cat([fields, joint[: len(TIERS)].sum(dim=1), joint.sum(dim=0)])
 
 
+def sqnr_from_powers(signal_power: torch.Tensor, noise_power: torch.Tensor) -> torch.Tensor:
+    """SQNR in dB, 10 log10(signal / noise), elementwise: inf for an exact result (no noise), NaN without signal.
+    The one definition, for the tensors' health here and the layers' outputs of ``inspect`` (:mod:`.layer_error`)."""
+    sqnr = torch.where(noise_power > 0, 10.0 * torch.log10(signal_power / noise_power), math.inf)
+    return torch.where(signal_power > 0, sqnr, math.nan)
+
+
 def summarize(health: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tensor]:
     """The logged figures of summed health vectors ``health`` [m, HEALTH_LEN] with their tensors' amax [m]
     (host or device; float64): sqnr_db, underflow_frac, outlier_factor and tier/<name> fractions, each [m].
@@ -130,8 +137,7 @@ def summarize(health: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tenso
     numel = health[:, FIELDS.index("numel")]
     per_element = torch.where(numel > 0, 1.0 / numel, math.nan)
     sum_x2, sum_err2 = health[:, FIELDS.index("sum_x2")], health[:, FIELDS.index("sum_err2")]
-    sqnr_db = torch.where(sum_err2 > 0, 10.0 * torch.log10(sum_x2 / sum_err2), math.inf)
-    sqnr_db = torch.where((numel > 0) & (sum_x2 > 0), sqnr_db, math.nan)
+    sqnr_db = torch.where(numel > 0, sqnr_from_powers(sum_x2, sum_err2), math.nan)
     histogram = health[:, HIST_OFFSET:]
     rank = torch.ceil(OUTLIER_PERCENTILE * numel)[:, None]  # the p99.9 element, counted from the smallest
     bins = torch.searchsorted(histogram.cumsum(dim=1), rank.clamp(min=1)).squeeze(1).clamp(max=HIST_BINS - 1)

@@ -29,16 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .health import sqnr_from_powers
 from .patch import block_index, quantized_block_range, quantized_linears, set_quantization
 from .recipe import DEFAULT_BLOCK_PATTERN
 from .training import start_warmup, sync_and_advance
 
 
 def sqnr_db(signal_power: float, noise_power: float) -> float:
-    """10 log10(signal / noise); inf for an exact result, nan without signal (as :mod:`.health`'s per-tensor SQNR)."""
-    if not signal_power > 0:
-        return math.nan
-    return 10 * math.log10(signal_power / noise_power) if noise_power > 0 else math.inf
+    """:func:`.health.sqnr_from_powers` of two sums of squares: inf for an exact result, nan without signal."""
+    signal, noise = torch.tensor([signal_power, noise_power], dtype=torch.float64)
+    return float(sqnr_from_powers(signal, noise))
 
 
 @dataclass
