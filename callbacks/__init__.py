@@ -1,5 +1,6 @@
 from .alarms import SpikeAlarm
 from .dashboard import TensorBoardDashboard
+from .fallback import FallbackCallback
 from .forgetting import ForgettingMonitor
 from .initial_eval import InitialEvaluationCallback
 from .memory import MemoryMonitor
@@ -14,7 +15,7 @@ from .throughput import TokenThroughputMonitor
 from .warmup import BF16WarmupCallback
 
 __all__ = [
-    "AmaxSaturationCallback", "BF16WarmupCallback", "ForgettingMonitor", "InitialEvaluationCallback", "QATModelSummary",
+    "AmaxSaturationCallback", "BF16WarmupCallback", "FallbackCallback", "ForgettingMonitor", "InitialEvaluationCallback", "QATModelSummary",
     "QuantizedModulesCallback",
     "RNGStateCallback", "RunSummaryCallback", "StepLogCallback", "StepProgressBar", "TokenThroughputMonitor",
     "MemoryMonitor", "SpikeAlarm", "TensorBoardDashboard",

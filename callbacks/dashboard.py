@@ -2,7 +2,7 @@
 
 Loss alone shows a failure late; throughput alone overstates the gain. The page (TensorBoard's "Custom
 Scalars" tab) groups, per category, the charts a low-bit run is read by: saturation (clipped fractions,
-headroom, a_hat against the true amax), numeric health (SQNR, underflow, precision tiers), the what-if
+headroom, a_hat against the true amax, tensors fallen back), numeric health (SQNR, underflow, precision tiers), the what-if
 estimators, training (loss, gradient norm, learning rate, alarms, skipped steps, throughput), forgetting
 and the memory breakdown (:mod:`callbacks.memory`). Every chart names its tags by regular expression
 (TensorBoard matches them from the start of the tag), so the layout holds whatever tensors, layers and
@@ -22,6 +22,7 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from .alarms import EVENTS, GRAD_NORM_Z, LOSS_Z, NONFINITE
+from .fallback import FALLBACK_METRIC
 from .memory import ACTIVATIONS_PEAK_MB, GRADS_MB, OPTIMIZER_MB, PARAMS_MB, PEAK_MB, RSS_MB
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ LAYOUT = {
         "clipped fraction (all tensors; per layer.tensor)": _multiline(r"sat/.*clipped_frac"),
         "min headroom a_hat / amax (clipping needs < 1)": _multiline(r"sat/min_headroom"),
         "saturation events": _multiline(r"sat/events", r"sat/clipped$"),
+        "tensors fallen back (automatic fallback)": _multiline(_exact(FALLBACK_METRIC)),
         "a_hat, the estimate a tensor was scaled by": _multiline(r"a_hat/.*"),
         "amax, the tensor's true max": _multiline(r"amax/.*"),
     },

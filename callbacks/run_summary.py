@@ -8,7 +8,8 @@ saturation_summary.json and the config. At the end of fit, on global rank 0, thi
   forgetting: per benchmark, initial -> final for acc, acc_norm and the monitored continuous measure
   (ForgettingMonitor's; default p_gold_norm), paired over the same examples, with the difference, its 95 %
   interval and the verdict, and ``forget/kl`` (KL(initial || final) on held-out text) when logged;
-  saturation totals (from AmaxSaturationCallback's summary file, or its ``summary()`` if it has none yet);
+  saturation totals (from AmaxSaturationCallback's summary file, or its ``summary()`` if it has none yet), and
+  each tensor the fallback policy switched (``callbacks.fallback``);
   the log and checkpoint locations; the report and export commands for this run.
 """
 
@@ -172,6 +173,9 @@ class RunSummaryCallback(L.Callback):
                 first = sat.get("first_clipped_step")
                 lines.append(f"              min headroom (a_hat / amax) {sat['min_headroom']:.3f}; "
                              + (f"first clipped at step {first}" if first is not None else "nothing clipped"))
+            for entry in sat.get("fallback", []):
+                lines.append(f"fallback      {entry['tensor']} -> {entry['target']} at step {entry['step']} "
+                             f"({entry['reason']}: {entry['evidence']})")
         else:
             lines.append("saturation    - " + ("(no quantized layers: an unquantized run)" if unquantized else "(no totals)"))
         lines.append(f"logs          {_show(log_dir)}")

@@ -20,7 +20,7 @@ figures are defined in :mod:`qat_app.hif8.health`; health is measured only on th
 (the callback switches it on before their forwards), and non-finite figures (an SQNR of a tensor quantized
 without error, an undefined outlier factor) are not logged. At the end of fit it writes
 ``saturation_summary.json`` (run totals, per tensor and overall; what-if totals per estimator; the last
-logged health of each tensor and its worst SQNR, worst first) into the logger's directory.
+logged health of each tensor and its worst SQNR, worst first; the fallback decisions) into the logger's directory.
 
 Before DDP wraps the model it tells DDP not to broadcast the scalers' buffers
 (:func:`qat_app.hif8.scaling.keep_scalers_out_of_ddp_broadcast`): rank 0's would overwrite each rank's own
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, HEALTH_LEN, WHATIF_ALGOS, summarize
-from qat_app.hif8.patch import quantized_linears
+from qat_app.hif8.fallback import fallen_back, quantized_tensors
 from qat_app.hif8.quantized import set_health_measurement
 from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast, sum_over_ranks
 
@@ -58,12 +58,14 @@ def _short(name: str) -> str:
 
 
 def named_scalers(model) -> list[tuple[str, object]]:
-    pairs = []
-    for name, layer in quantized_linears(model):
-        for tensor, scaler in (("input", layer.input_scaler), ("weight", layer.weight_scaler), ("grad", layer.grad_scaler)):
-            if scaler is not None:
-                pairs.append((f"{_short(name)}.{tensor}", scaler))
-    return pairs
+    """``(tensor name, scaler)`` of every quantized tensor: ``layers.7.mlp.up_proj.input``."""
+    return [(f"{_short(name)}.{operand}", layer.scaler_of(operand)) for name, layer, operand in quantized_tensors(model)]
+
+
+def fallback_entries(model) -> list[dict]:
+    """The fallback decisions of ``model`` (:func:`qat_app.hif8.fallback.fallen_back`), named like the tensors here."""
+    return [{"tensor": f"{_short(d['module'])}.{d['operand']}", **{k: v for k, v in d.items() if k not in ("module", "operand")}}
+            for d in fallen_back(model)]
 
 
 def _flat(scaler, field: str) -> torch.Tensor:
@@ -250,6 +252,7 @@ class AmaxSaturationCallback(L.Callback):
             return {"last": self.health_last.get(name), "worst_sqnr_db": _finite_or_none(worst.get("sqnr_db", math.nan)),
                     "worst_sqnr_step": worst.get("step")}
 
+        fallback = {entry["tensor"]: entry for entry in fallback_entries(pl_module.model)}
         tensors = {
             name: {
                 "clipped": int(r[6]), "seen": int(r[7]), "clipped_frac": r[6] / r[7] if r[7] else 0.0,
@@ -257,6 +260,7 @@ class AmaxSaturationCallback(L.Callback):
                 "first_clipped_step": self.first_clipped_step.get(name),
                 "a_hat": r[3], "scale": r[4], "steps_recorded": int(r[5]),
                 "whatif": whatif_of(index), "health": health_of(name),
+                "fallback": {k: v for k, v in fallback[name].items() if k != "tensor"} if name in fallback else None,
             }
             for index, ((name, _), r) in enumerate(zip(pairs, rows))
         }
@@ -277,6 +281,7 @@ class AmaxSaturationCallback(L.Callback):
             "tensors_clipped": [name for name, t in tensors.items() if t["clipped"] > 0],
             "whatif": {algo: {key: sum(t["whatif"][algo][key] for t in tensors.values())
                               for key in ("clipped", "events")} for algo in WHATIF_ALGOS},
+            "fallback": sorted(fallback.values(), key=lambda entry: entry.get("step", 0)),  # in the order decided
             "health_worst": [{"tensor": name, "worst_sqnr_db": _finite_or_none(w["sqnr_db"]), "step": w["step"],
                               "last": self.health_last.get(name)} for name, w in worst_first],
             "definition": "clipped: the clamp to +-max_val changed the element's quantized value; seen: elements of "
@@ -286,7 +291,9 @@ class AmaxSaturationCallback(L.Callback):
                           "health: measured on logged steps (qat_app.hif8.health): SQNR in dB of x vs its fake "
                           "quantization, underflow: non-zero elements quantized to 0 over all elements, outlier factor: "
                           "amax / p99.9(|x|) (p99.9 from a ~9 % log histogram: at most 12.5 % high), tiers: fractions of "
-                          "elements by the mantissa bits of their quantized value",
+                          "elements by the mantissa bits of their quantized value; fallback: the tensors the fallback "
+                          "policy (qat_app.hif8.fallback) switched to current scaling or high precision, with the step "
+                          "whose counters decided, the rule and its evidence",
             "tensors": tensors,
         }
 

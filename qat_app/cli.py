@@ -28,7 +28,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from callbacks import MemoryMonitor, SpikeAlarm, TensorBoardDashboard
+from callbacks import FallbackCallback, MemoryMonitor, SpikeAlarm, TensorBoardDashboard
 from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, ForgettingMonitor, InitialEvaluationCallback,
                        QATModelSummary, QuantizedModulesCallback, RNGStateCallback, RunSummaryCallback, StepLogCallback,
                        StepProgressBar, TokenThroughputMonitor)
@@ -57,6 +57,7 @@ class QATCLI(LightningCLI):
         # Always-on callbacks, configured as top-level sections: --warmup.warmup_steps 500 etc.
         parser.add_lightning_class_args(BF16WarmupCallback, "warmup")
         parser.add_lightning_class_args(AmaxSaturationCallback, "saturation")
+        parser.add_lightning_class_args(FallbackCallback, "fallback")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
         parser.add_lightning_class_args(MemoryMonitor, "memory")
         parser.add_lightning_class_args(TensorBoardDashboard, "dashboard")

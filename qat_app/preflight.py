@@ -128,7 +128,8 @@ def derive_gradient_accumulation(cfg) -> None:
 
 def check_fit_settings(cfg) -> None:
     """Settings that only make sense together, checked before the model is loaded: the BF16 warmup fits in
-    ``trainer.max_steps``, and the LR schedule has the length it needs."""
+    ``trainer.max_steps``, so does the fallback window, and the LR schedule has the length it needs."""
+    from callbacks.fallback import check_fallback, make_policy
     from callbacks.warmup import check_warmup_fits
     from qat_app.module import check_lr_schedule
 
@@ -136,6 +137,10 @@ def check_fit_settings(cfg) -> None:
     max_steps = -1 if max_steps is None else int(max_steps)
     if max_steps > 0:
         check_warmup_fits(int(cfg.warmup.warmup_steps), max_steps)
+    fallback = cfg.get("fallback")
+    if fallback is not None and fallback.get("enabled"):
+        check_fallback(make_policy(fallback.get("policy")), warmup_steps=int(cfg.warmup.warmup_steps),
+                       max_steps=max_steps, health=bool((cfg.get("saturation") or {}).get("health", True)))
     check_lr_schedule((cfg.get("model") or {}).get("lr_schedule", "cosine"), max_steps)
 
 

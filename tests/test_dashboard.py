@@ -53,7 +53,8 @@ def tensorboard_fit(tmp_path_factory, tiny_model_dir, tiny_corpus):
         "trainer.max_steps": STEPS, "trainer.log_every_n_steps": EVERY, "trainer.callbacks": [],
         "trainer.logger": [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                             "init_args": {"save_dir": str(tmp), "name": "tb"}}],
-        "alarms": {"min_history": 3}, "throughput": {"window_size": 2}})
+        "alarms": {"min_history": 3}, "throughput": {"window_size": 2},
+        "fallback": {"enabled": True, "policy": {"window": 2, "min_events": 1}}})  # logs fallback/tensors
     run = cli.cli_main(["fit", "--config", config])
     return run, _read(run.trainer.log_dir)
 

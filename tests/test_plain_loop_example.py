@@ -38,3 +38,15 @@ def test_the_core_imports_no_lightning_and_no_app():
             "or (m.startswith('qat_app.') and not m.startswith('qat_app.hif8'))]; print(bad); assert not bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_example_applies_the_fallback_policy_from_a_plain_loop():
+    from qat_app.hif8 import FallbackPolicy, fallen_back
+
+    # at lr 3e-2 the tiny model's activations outgrow their delayed scales step after step
+    model, losses = load_example().run(steps=10, warmup=2, lr=3e-2, history_len=2, high_precision_layers=2,
+                                       fallback=FallbackPolicy(window=3, min_events=2))
+    decisions = fallen_back(model)
+    assert decisions and all(d["target"] == "current" and d["step"] >= 3 for d in decisions)
+    for d in decisions:
+        assert model.get_submodule(d["module"]).scaler_of(d["operand"]).algo == "current"

@@ -250,3 +250,29 @@ def test_a_run_with_whatif_but_no_health(base, tmp_path):
     assert tier_fractions(rp.load_run(qat), result["health"]) == {}
     for name in HEALTH_FIGURES:
         assert (out / name).read_bytes()[:8] == PNG_SIGNATURE
+
+
+# --------------------------------------------------------------------------- fallback
+def test_the_fallback_table_lists_each_runs_decisions_and_a_run_without_says_none(base, tmp_path):
+    with_fallback = make_health_run(tmp_path / "fell", steps=STEPS, seed=14)
+    without = make_health_run(tmp_path / "kept", steps=STEPS, seed=15)
+    summary = summary_of(with_fallback)
+    decisions = [{"tensor": "layers.2.mlp.down_proj.input", "target": "current", "step": 11,
+                  "reason": "persistent saturation", "evidence": "saturation events in 9 of its last 16 quantized steps"},
+                 {"tensor": "layers.3.mlp.up_proj.weight", "target": "high_precision", "step": 20,
+                  "reason": "SQNR under the floor", "evidence": "SQNR 14.20 dB, under 20 dB on 3 consecutive measurements"}]
+    summary["fallback"] = decisions
+    (with_fallback / "logs" / "version_0" / "saturation_summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "out"
+    report = rp.build_report(base, [with_fallback, without], out, labels=["BF16", "fell", "kept"])
+    assert [r["saturation"]["fallback"] for r in report["qat"]] == [decisions, []]
+    md = (out / "results.md").read_text()
+    section = md[md.index("## Automatic fallback"):]
+    for d in decisions:
+        assert f"| `fell` | `{d['tensor']}` | {d['target']} | {d['step']} | {d['reason']} | {d['evidence']} |" in section
+    assert "`kept`" not in section
+    scalars = csv_scalars(out)
+    assert scalars[("fell", "fallback_tensors")] == "2" and scalars[("kept", "fallback_tensors")] == "0"
+
+    alone = rp.build_report(base, [without], tmp_path / "out2", labels=["BF16", "kept"])
+    assert "No tensor fell back" in (tmp_path / "out2" / "results.md").read_text() and alone["qat"][0]["saturation"]

@@ -91,6 +91,14 @@ class _Tensors:
         }
 
 
+def _why_dense(layer) -> str:
+    """Why a quantized matmul's weight is not stored as codes: it fell back to high precision, or its switch is off."""
+    record = layer.fallback.get("weight")
+    if record is not None and record["target"] == "high_precision":
+        return f"the weight fell back to high precision at step {record.get('step')} ({record.get('reason')})"
+    return "weight quantization is off (exported inside the BF16 warmup?)"
+
+
 def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.dtype,
                storage_dtype: torch.dtype) -> tuple[dict[str, Any], bool]:
     """One quantized linear: its weight as codes + scale (or dense, weight quantization off) -> (record, lossless)."""
@@ -104,7 +112,7 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
         "has_history": {s: scaler.has_history for s, scaler in layer.named_scalers()},
     }
     if not layer.quantize_weights:
-        log.warning("%s: weight quantization is off (exported inside the BF16 warmup?): stored in %s", name, storage_dtype)
+        log.warning("%s: %s: stored in %s", name, _why_dense(layer), storage_dtype)
         lossless = out.add_stored(f"{name}.weight", layer.weight, storage_dtype)
         record.update(weight="dense")
         return record, lossless
@@ -146,8 +154,8 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
         entry: dict[str, Any] = {"shape": list(weight.shape)}
         switches = {bool(proj.quantize_weights) for proj in projections}
         if switches != {True}:
-            log.warning("%s.%s: weight quantization is off for some experts (exported inside the BF16 warmup?): "
-                        "stored in %s", name, param, storage_dtype)
+            off = next(proj for proj in projections if not proj.quantize_weights)
+            log.warning("%s.%s: for some experts, %s: stored in %s", name, param, _why_dense(off), storage_dtype)
             lossless &= out.add_stored(f"{name}.{param}", weight, storage_dtype)
             entry["weight"] = "dense"
         else:

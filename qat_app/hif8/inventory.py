@@ -17,7 +17,10 @@ in 8 bits. :func:`quantization_inventory` is a pure function of a converted mode
                              linear of the model, quantized or not)
     modules                  one entry per quantized matmul, in model order: name, kind (the name inside its
                              block), block, weight_shape, parameters, format, amax_algo, history_len, alpha
-                             (exp_smooth only, else null), max_val, margin, quantized: {input, weight, grad}
+                             (exp_smooth only, else null), max_val, margin, quantized: {input, weight, grad},
+                             fallback: {operand: its decision (target, step, reason, evidence)} of the operands
+                             the fallback policy (:mod:`.fallback`) switched; an operand fallen back to high
+                             precision is not quantized
     excluded                 every linear (and fused MoE experts module) left in high precision: name, block,
                              reason (a boundary block, not matched by module_pattern, outside the decoder
                              blocks, or excluded by the module filter)
@@ -38,12 +41,12 @@ from torch import nn
 from .experts import HiF8Experts, is_fused_experts
 from .linear import HiF8Linear
 from .patch import _is_linear, block_index, count_blocks, quantized_block_range, quantized_linears
+from .quantized import FALLBACK_HIGH_PRECISION, OPERANDS
 from .recipe import LayerSelection
 
 INVENTORY_FILE = "quantized_modules.json"
 INVENTORY_FORMAT = "qat_app/quantized-modules"
 INVENTORY_VERSION = 1
-OPERANDS = ("input", "weight", "grad")
 
 # why a linear stayed in high precision
 BOUNDARY = "high-precision boundary block"
@@ -51,6 +54,7 @@ NOT_MATCHED = "not matched by module_pattern"
 OUTSIDE_BLOCKS = "outside the decoder blocks"
 FILTERED = "excluded by the module filter (filter_fn)"
 NOT_CONVERTED = "selected but not converted"
+FALLBACK_LINES = 8  # fallback decisions listed one per line by inventory_lines
 
 
 def _expert_weight_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -77,7 +81,8 @@ def operands_quantized(layer, switched_on: Mapping[str, bool] | None = None) -> 
     now = {"input": layer.quantize_activations, "weight": layer.quantize_weights, "grad": layer.quantize_grads}
     now.update(switched_on or {})
     now["grad"] = bool(now["grad"]) and layer.grad_scaler is not None
-    return {operand: bool(now[operand]) for operand in OPERANDS}
+    fell_back = {op for op, record in layer.fallback.items() if record["target"] == FALLBACK_HIGH_PRECISION}
+    return {operand: bool(now[operand]) and operand not in fell_back for operand in OPERANDS}
 
 
 def _module_entry(name, layer, block, kind, shape, switched_on) -> dict:
@@ -88,6 +93,7 @@ def _module_entry(name, layer, block, kind, shape, switched_on) -> dict:
         "alpha": recipe.alpha if recipe.amax_algo == "exp_smooth" else None,
         "max_val": recipe.resolved_max_val, "margin": recipe.margin,
         "quantized": operands_quantized(layer, switched_on),
+        "fallback": {operand: dict(record) for operand, record in layer.fallback.items()},
     }
 
 
@@ -223,4 +229,10 @@ def inventory_lines(inventory: dict) -> list[str]:
         lines.append("  left out          " + ", ".join(f"{n} ({reason})" for reason, n in reasons.items()))
     if modules:
         lines.append(f"  numerics          {_numerics(modules)}")
+    fell_back = [(m["name"], operand, record) for m in modules for operand, record in m.get("fallback", {}).items()]
+    for name, operand, record in fell_back[:FALLBACK_LINES]:
+        lines.append(f"  fell back         {name}.{operand} -> {record['target']} at step {record.get('step')} "
+                     f"({record.get('reason')})")
+    if len(fell_back) > FALLBACK_LINES:
+        lines.append(f"  fell back         ... {len(fell_back) - FALLBACK_LINES} more (the modules' fallback entries)")
     return lines

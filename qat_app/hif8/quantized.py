@@ -44,6 +44,13 @@ from .scaling import AmaxScaler
 
 # the scalers of a quantized matmul, in registration (and state-dict) order; grad_scaler only with quantize_grads
 SCALER_NAMES = ("input_scaler", "weight_scaler", "grad_scaler")
+# the operands they quantize (the names the logs, the summary and the fallback use), in the same order
+OPERANDS = ("input", "weight", "grad")
+SCALER_OF = dict(zip(OPERANDS, SCALER_NAMES))
+# what an operand may fall back to (:mod:`.fallback`): its scaler switches to current scaling, or it is no longer
+# quantized
+FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
+FALLBACK_TARGETS = (FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -56,6 +63,20 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def passes_gradient(ste_clipped: bool, x, scale, scaler: AmaxScaler, fmt) -> torch.Tensor | None:
     """``ste="clipped"``: False where the element was clipped (same definition as the counters)."""
     return ~saturated_mask(x, scale, scaler.max_val, fmt) if ste_clipped else None
+
+
+class _Switch:
+    """An operand's quantization switch (set by the BF16 warmup, ``set_quantization``, the extra state); an operand
+    that fell back to high precision reads as off whatever it is set to."""
+
+    def __init__(self, operand: str) -> None:
+        self.operand = operand
+
+    def __get__(self, module, owner=None):
+        return self if module is None else module._switch(self.operand)
+
+    def __set__(self, module, on: bool) -> None:
+        module._switches[self.operand] = bool(on)
 
 
 class QuantizedMatmul(nn.Module):
@@ -77,9 +98,35 @@ class QuantizedMatmul(nn.Module):
         for name, max_val in zip(SCALER_NAMES, max_vals):
             setattr(self, name, None if max_val is None else AmaxScaler(
                 recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device))
-        self.quantize_activations = runtime.quantize_activations
-        self.quantize_weights = runtime.quantize_weights
-        self.quantize_grads = recipe.quantize_grads
+        # operand -> its fallback decision (target, step, reason, evidence); set by fall_back, in the extra state
+        self.fallback: dict[str, dict] = {}
+        self._switches = {"input": runtime.quantize_activations, "weight": runtime.quantize_weights,
+                          "grad": recipe.quantize_grads}
+        self._weight_cache = None
+
+    def _switch(self, operand: str) -> bool:
+        return self._switches[operand] and self.fallback.get(operand, {}).get("target") != FALLBACK_HIGH_PRECISION
+
+    quantize_activations = _Switch("input")
+    quantize_weights = _Switch("weight")
+    quantize_grads = _Switch("grad")
+
+    def scaler_of(self, operand: str) -> AmaxScaler | None:
+        return getattr(self, SCALER_OF[operand], None)
+
+    def fall_back(self, operand: str, target: str, **record) -> None:
+        """Switch ``operand`` for the rest of the run to ``target`` (:data:`FALLBACK_TARGETS`): ``current`` scaling
+        (its scaler becomes a CTS scaler: never clips) or ``high_precision`` (no longer quantized). ``record``
+        (step, reason, evidence) is kept with it, in the extra state, so a checkpoint or an export carries it."""
+        if target not in FALLBACK_TARGETS:
+            raise ValueError(f"fallback target: unknown {target!r}; allowed: {', '.join(FALLBACK_TARGETS)}")
+        scaler = self.scaler_of(operand)
+        if scaler is None:
+            raise ValueError(f"{operand}: this matmul has no {SCALER_OF[operand]} to fall back")
+        self.fallback[operand] = {"target": target, **record}
+        if target == FALLBACK_CURRENT:
+            scaler.algo = "current"  # its bank regroups at the next step boundary (banks are keyed by algo)
+            scaler.version += 1  # a cached weight quantized with the delayed scale is stale
         self._weight_cache = None
 
     def named_scalers(self) -> list[tuple[str, AmaxScaler]]:
@@ -89,17 +136,23 @@ class QuantizedMatmul(nn.Module):
         return [s for _, s in self.named_scalers()]
 
     # The switches are part of the state so a checkpoint restores the warmup phase with the weights.
+    # The fallback decisions too (a checkpoint before them has none).
     def get_extra_state(self) -> dict:
         return {
-            "quantize_weights": self.quantize_weights,
-            "quantize_activations": self.quantize_activations,
-            "quantize_grads": self.quantize_grads,
+            "quantize_weights": self._switches["weight"],
+            "quantize_activations": self._switches["input"],
+            "quantize_grads": self._switches["grad"],
+            "fallback": {operand: dict(record) for operand, record in self.fallback.items()},
         }
 
     def set_extra_state(self, state: dict) -> None:
         self.quantize_weights = bool(state["quantize_weights"])
         self.quantize_activations = bool(state["quantize_activations"])
         self.quantize_grads = bool(state.get("quantize_grads", False)) and self.grad_scaler is not None
+        self.fallback = {}
+        for operand, record in state.get("fallback", {}).items():
+            record = dict(record)
+            self.fall_back(operand, record.pop("target"), **record)
 
     def quantization_repr(self) -> str:
         return (f"format={self.recipe.format}, amax_algo={self.recipe.amax_algo}, "

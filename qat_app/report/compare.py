@@ -186,7 +186,8 @@ def benchmark_keys(runs: Iterable[Run], pattern: str | None = None) -> list[str]
 
 
 def saturation_stats(run: Run) -> dict | None:
-    """Clipped / seen elements, events, tensors that clipped, first clipped step, min headroom."""
+    """Clipped / seen elements, events, tensors that clipped, first clipped step, min headroom, the tensors that fell
+    back (``callbacks.fallback``)."""
     s = run.summary
     first_csv = next((step for step, v in run.series("sat/clipped").items() if v > 0), None)
     if s is not None and (s.get("quantized_tensors", 1) or s.get("seen")):
@@ -214,6 +215,7 @@ def saturation_stats(run: Run) -> dict | None:
                "quantized_steps": None, "source": "metrics.csv (no summary: mean of per-step sat/clipped_frac)"}
     out["tensors_clipped"] = sorted(names, key=natural_key)
     out["layers_clipped"] = len(out["tensors_clipped"])
+    out["fallback"] = list(s.get("fallback") or []) if s is not None else []  # the fallback policy's decisions
     return out
 
 

@@ -313,12 +313,30 @@ def render_health(results: list[dict], top: int = TOP_TENSORS) -> list[str]:
     return lines
 
 
+def render_fallback(results: list[dict]) -> list[str]:
+    """Markdown lines: every tensor the fallback policy switched, per QAT run (or one line: none did)."""
+    lines = ["", "## Automatic fallback", ""]
+    decided = [(r["label"], d) for r in results for d in ((r.get("saturation") or {}).get("fallback") or [])]
+    if not decided:
+        return lines + ["No tensor fell back (the policy is opt-in: `--fallback.enabled true`; "
+                        "`saturation_summary.json` lists its decisions)."]
+    lines += ["A tensor fell back, for the rest of its run, to current scaling or to high precision when its saturation "
+              "persisted or its SQNR stayed under the floor (`callbacks.fallback`); the step is the one whose counters "
+              "decided. An export keeps it that way.", "",
+              "| run | tensor | fell back to | at step | rule | evidence |", "|---|---|---|---:|---|---|"]
+    for label, d in decided:
+        lines.append(f"| `{label}` | `{d['tensor']}` | {d['target']} | {d['step']} | {d['reason']} | {d['evidence']} |")
+    return lines
+
+
 def health_scalars(result: dict) -> dict[str, object]:
-    """results.csv scalars of one QAT run: what-if totals per estimator, the run-level health figures."""
+    """results.csv scalars of one QAT run: what-if totals per estimator, the tensors that fell back, the run-level
+    health figures."""
     out: dict[str, object] = {}
     w = result.get("whatif") or {}
     for algo, counts in (w.get("estimators") or {}).items():
         out.update({f"whatif_{algo}_{count}": counts[count] for count in WHATIF_COUNTS})
+    out["fallback_tensors"] = len((result.get("saturation") or {}).get("fallback") or [])
     h = result.get("health") or {}
     if h.get("recorded"):
         out.update({f"health_{key}": h[key] for key in ("min_sqnr_db", "min_sqnr_step", "underflow_frac",

@@ -1,0 +1,118 @@
+"""FallbackCallback: the automatic fallback policy of :mod:`qat_app.hif8.fallback` in a fit (opt-in).
+
+Once per optimizer step (the first ``on_train_batch_end`` after ``global_step`` moved: the scalers have advanced)
+it reads two run counters per quantized tensor in one device->host copy (and, on the steps whose health the
+saturation callback measured, their SQNR, summed over the ranks), updates the evidence and makes the tensors
+that qualify fall back to ``policy.target`` before the next forward. Each decision is one warning with its
+evidence and is logged as ``fallback/tensors`` (the count so far, every step). The decisions live in the
+quantized matmuls' extra state (checkpoints, exports, the saturation summary and the report list them), and
+the evidence in this callback's ``state_dict``, so a run resumed from any checkpoint takes the decisions an
+uninterrupted one takes, at the same steps.
+
+Configured as the ``fallback`` section: ``--fallback.enabled true --fallback.policy.target high_precision``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+
+from qat_app.errors import ConfigError
+from qat_app.hif8.errors import FieldError
+from qat_app.hif8.fallback import FallbackMonitor, FallbackPolicy, fallback_step, quantized_tensors, read_counters
+
+from .saturation import AmaxSaturationCallback
+from .warmup import BF16WarmupCallback
+
+log = logging.getLogger(__name__)
+
+FALLBACK_METRIC = "fallback/tensors"
+TARGET_TEXT = {"current": "current scaling", "high_precision": "high precision"}
+
+
+def check_fallback(policy: FallbackPolicy, *, warmup_steps: int, max_steps: int, health: bool) -> None:
+    """Raise :class:`ConfigError` when the window is longer than the run's quantized steps (it could never fill),
+    or the SQNR rule is asked for without the SQNR being measured (``health``: the saturation callback's)."""
+    quantized_steps = max_steps - warmup_steps
+    if max_steps > 0 and policy.window > quantized_steps:
+        raise ConfigError(f"fallback.policy.window ({policy.window}) is longer than the run's {quantized_steps} quantized "
+                          f"steps (trainer.max_steps {max_steps} - warmup.warmup_steps {warmup_steps}): it could "
+                          "never fill; use a shorter window")
+    if policy.sqnr_floor_db is not None and not health:
+        raise ConfigError("fallback.policy.sqnr_floor_db needs the SQNR measured: set saturation.health true "
+                          "(it is measured every trainer.log_every_n_steps)")
+
+
+def make_policy(policy) -> FallbackPolicy:
+    """The core's policy from what the command line gave (a policy, or a dict), its errors named ``fallback.policy.*``."""
+    try:
+        if isinstance(policy, FallbackPolicy):
+            return policy
+        return FallbackPolicy(**(policy.as_dict() if hasattr(policy, "as_dict") else dict(policy or {})))
+    except FieldError as err:
+        raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
+    except TypeError as err:  # an unknown key of a dict
+        raise ConfigError(f"fallback.policy: {err}") from None
+
+
+class FallbackCallback(L.Callback):
+    """Args:
+        enabled: apply the fallback policy (off by default: a tensor only falls back when asked to).
+        policy: when a tensor falls back and to what (:class:`qat_app.hif8.fallback.FallbackPolicy`).
+    """
+
+    def __init__(self, enabled: bool = False, policy: FallbackPolicy = FallbackPolicy()) -> None:
+        self.enabled = enabled
+        self.policy = make_policy(policy)
+        self.monitor: FallbackMonitor | None = None
+        self._saved: dict | None = None  # the checkpoint's evidence, until the model's tensors are known
+        self._seen_step = -1
+        self.decisions: list[dict] = []  # this fit's, in order
+
+    def state_dict(self) -> dict:
+        return {"monitor": self.monitor.state_dict() if self.monitor is not None else self._saved}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._saved = state_dict.get("monitor")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not self.enabled or stage != "fit":
+            return
+        saturation = next((c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)), None)
+        warmup = next((c for c in trainer.callbacks if isinstance(c, BF16WarmupCallback)), None)
+        check_fallback(self.policy, warmup_steps=warmup.warmup_steps if warmup is not None else 0,
+                       max_steps=trainer.max_steps or -1, health=saturation is not None and saturation.health)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._seen_step = trainer.global_step
+        if not self.enabled:
+            return
+        tensors = quantized_tensors(pl_module.model)
+        if not tensors:
+            log.warning("fallback: the model has no quantized tensor (quant.enabled=false?); nothing can fall back")
+            return
+        self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)
+        if self._saved is not None:
+            try:
+                self.monitor.load_state_dict(self._saved)
+            except FieldError as err:
+                raise ConfigError(f"fallback: the checkpoint's fallback state does not fit this model: {err}") from None
+        else:  # a fresh run (zeros), or one resumed from a checkpoint without fallback state: evidence starts now
+            events, steps, _ = read_counters([layer.scaler_of(op) for _, layer, op in tensors], health=False)
+            self.monitor.start(events, steps)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.monitor is None or step == self._seen_step:
+            return
+        self._seen_step = step
+        new = fallback_step(pl_module.model, self.monitor, step - 1)  # the step whose counters decided
+        for decision in new:
+            log.warning("fallback at step %d: %s.%s -> %s for the rest of the run (%s: %s)", decision["step"],
+                        decision["module"], decision["operand"], TARGET_TEXT[decision["target"]], decision["reason"],
+                        decision["evidence"])
+        self.decisions.extend(new)
+        count = sum(operand in layer.fallback for _, layer, operand in quantized_tensors(pl_module.model))
+        for logger in trainer.loggers:
+            logger.log_metrics({FALLBACK_METRIC: float(count)}, step=step - 1)
