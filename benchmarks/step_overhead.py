@@ -12,6 +12,11 @@ on a CPU (quickstart model), <= 1.10 on a GPU (OpenPangu-shaped model); memory r
     python benchmarks/step_overhead.py                       # CPU, SmolLM2-135M, fp32
     python benchmarks/step_overhead.py --memory-only --bf16  # CPU, bf16 autocast (the GPU recipe)
     python benchmarks/step_overhead.py --openpangu --device cuda --seq-len 1024 --micro-batch 8
+    python benchmarks/step_overhead.py --compare-gemm --no-memory   # QAT: emulated GEMM vs dequantize-first
+
+``--gemm`` sets the QAT variant's product (``model.quant.gemm``: ``emulated``, the default, or
+``dequantize_first``); ``--compare-gemm`` times the two QAT variants against each other instead (the
+baseline is ``dequantize_first``, the former path), alternating step by step like the rest.
 """
 
 from __future__ import annotations
@@ -56,12 +61,12 @@ def make_batches(args, vocab: int) -> list[torch.Tensor]:
 
 
 class Variant:
-    def __init__(self, model: torch.nn.Module, batches, args, quantized: bool) -> None:
+    def __init__(self, model: torch.nn.Module, batches, args, quantized: bool, gemm: str | None = None) -> None:
         self.model, self.batches, self.args = model, batches, args
         self.quantized = quantized
         if quantized:
             quant = QuantConfig(amax_algo="max", history_len=64, high_precision_layers=args.high_precision_layers,
-                                fused=args.fused)
+                                fused=args.fused, gemm=gemm or args.gemm)
             self.report = quantize_model(model, quant)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
         # One BF16 step for both (the same number of steps, optimizer state created); for QAT it is
@@ -136,6 +141,27 @@ def child(args) -> None:
     print(json.dumps({"peak_rss": hwm_kb * 1024}))
 
 
+def compare_gemm(args) -> None:
+    """QAT with the emulated GEMM against QAT dequantizing first: median step-time ratio, same process."""
+    first = build_model(args)
+    batches = make_batches(args, first.config.vocab_size)
+    variants = {"dequantize_first": Variant(copy.deepcopy(first), batches, args, True, "dequantize_first"),
+                "emulated": Variant(first, batches, args, True, "emulated")}
+    print(f"device={args.device} model={'openpangu-shaped' if args.openpangu else args.model} "
+          f"tokens/step={args.micro_batch}x{args.seq_len}x{args.accumulate} bf16={args.bf16} fused={args.fused}")
+    for v in variants.values():
+        v.timed_step()  # warm-up: compilation, allocator
+    times = {name: [] for name in variants}
+    for _ in range(args.steps):
+        for name, v in variants.items():
+            times[name].append(v.timed_step())
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        print(f"step times (s), {name}: {' '.join(f'{x:.2f}' for x in t)}")
+    print(f"step time (median): dequantize_first {medians['dequantize_first']:.3f}s  emulated {medians['emulated']:.3f}s"
+          f"  ratio {medians['emulated'] / medians['dequantize_first']:.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded:smollm2-135m-instruct")
@@ -149,6 +175,9 @@ def main() -> None:
     p.add_argument("--mem-steps", type=int, default=2)
     p.add_argument("--high-precision-layers", type=int, default=5)
     p.add_argument("--fused", default="auto")
+    p.add_argument("--gemm", default="emulated", help="model.quant.gemm of the QAT variant")
+    p.add_argument("--compare-gemm", action="store_true",
+                   help="time QAT with gemm=emulated against QAT with gemm=dequantize_first (the baseline)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (default on cuda)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--memory-only", action="store_true")
@@ -163,6 +192,8 @@ def main() -> None:
 
     if args.memory_only:
         return report_peak_rss(args)
+    if args.compare_gemm:
+        return compare_gemm(args)
     base_model = build_model(args)
     qat_model = copy.deepcopy(base_model)
     batches = make_batches(args, base_model.config.vocab_size)

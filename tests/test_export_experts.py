@@ -103,13 +103,19 @@ def test_exported_flag_falls_back_on_change_and_training(tmp_path):
     loaded = load_hif8(tmp_path / "exp")
     experts = loaded.get_submodule("model.layers.1.mlp.experts")
     proj, weight = experts.gate_up[0], experts.gate_up_proj
-    assert proj.quantized_weight(weight[0], torch.float32)[1] is None  # the decoded weight, used as it is
+    stored = proj._exported_codes[0]
+
+    def uses_stored_codes() -> bool:
+        return proj.quantized_weight(weight[0], torch.float32)[0].data_ptr() == stored.data_ptr()
+
+    assert uses_stored_codes()  # the exported codes and scale, used as they are
     loaded.train()
-    assert proj.quantized_weight(weight[0], torch.float32)[1] is not None  # training: quantized as usual
+    assert not uses_stored_codes()  # training: quantized as usual
     loaded.eval()
+    assert uses_stored_codes()
     with torch.no_grad():
         weight.mul_(1.0)  # any in-place change
-    assert proj.quantized_weight(weight[0], torch.float32)[1] is not None
+    assert not uses_stored_codes()
     # a loaded model can continue QAT
     loaded.train()
     out = loaded(input_ids=ids(), labels=ids())

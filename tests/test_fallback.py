@@ -181,12 +181,12 @@ def test_current_fallback_stops_the_clipping_high_precision_computes_the_unquant
     layer.fall_back("weight", "high_precision", step=2, reason=SATURATION, evidence="planted")
     set_quantization(layer, weights=True, activations=True)  # the warmup's switch cannot undo it
     assert not layer.quantize_weights and layer.quantize_activations
-    plain = torch.nn.Linear(16, 8)
-    plain.load_state_dict({"weight": layer.weight, "bias": layer.bias})
     with torch.no_grad():
-        expected = torch.nn.functional.linear(layer.input_scaler.quantize(x, layer.format)[0].dequantized,
-                                              layer.weight, layer.bias)
-        assert torch.equal(layer(x), expected)  # W in high precision, the input still quantized (current scaling)
+        result, scale = layer.input_scaler.quantize(x, layer.format, want_codes=True)  # current scaling
+        grid = layer.format.decode(result.codes)  # the input's grid values; the weight as it is (high precision)
+        factor = torch.reciprocal(scale.double()).float()
+        expected = (grid @ layer.weight.t()) * factor + layer.bias
+        assert torch.equal(layer(x), expected)
     with pytest.raises(ValueError, match=r"fallback target: unknown 'bf16'"):
         layer.fall_back("input", "bf16")
 

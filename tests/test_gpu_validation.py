@@ -25,3 +25,16 @@ def test_fsdp_fit_script_runs_and_reports(tmp_path):
     assert result["steps"] == 4 and result["sharded_checkpoint"] is True
     assert result["seconds_per_step"] > 0 and result["final_loss"] > 0
     assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_validation.sh")]).returncode == 0
+
+
+def test_fp8_check_script_runs_on_the_cpu_and_reports_agreement():
+    """benchmarks/fp8_check.py (the GPU validation's FP8-vs-emulated check) at a tiny shape on the CPU, where
+    torch._scaled_mm also runs: the exact tail agrees with the emulation up to the accumulation order."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_check.py"), "--device", "cpu", "--hidden", "64",
+                           "--intermediate", "96", "--batch", "2", "--seq-len", "16"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = done.stdout.strip().splitlines()[-1]
+    errors = [float(e) for e in line.split(": ", 1)[1].split()]
+    assert len(errors) == 3 and all(0 <= e < 1e-6 for e in errors), line  # fp32 on the CPU: accumulation order only

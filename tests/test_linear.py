@@ -42,13 +42,31 @@ def reference_fake_quant(x, scale, max_val=15.0):
     return hif8_round_f32((x.float() * scale).clamp(-max_val, max_val)) / scale
 
 
+def reference_grid(x, scale, max_val=15.0):
+    """The grid values of ``x * scale``: what a W8A8 engine multiplies."""
+    return hif8_round_f32((x.float() * scale).clamp(-max_val, max_val))
+
+
 def test_forward_is_linear_of_fake_quantized_tensors():
-    plain, layer = make_layer()
+    plain, layer = make_layer(gemm="dequantize_first")
     set_scale(layer.input_scaler, 4.0)
     set_scale(layer.weight_scaler, 30.0)
     x = torch.randn(3, 5, 32)
     expected = F.linear(reference_fake_quant(x, 4.0), reference_fake_quant(plain.weight.detach(), 30.0), plain.bias)
     assert torch.equal(layer(x), expected)
+
+
+def test_forward_multiplies_the_grid_values_and_scales_the_fp32_accumulator():
+    plain, layer = make_layer()  # gemm: emulated, the default
+    set_scale(layer.input_scaler, 4.0)
+    set_scale(layer.weight_scaler, 30.0)
+    x = torch.randn(3, 5, 32)
+    grid_x, grid_w = reference_grid(x, 4.0), reference_grid(plain.weight.detach(), 30.0)
+    factor = torch.tensor(1.0 / (4.0 * 30.0), dtype=torch.float64).float()  # 1 / (s_x s_w), rounded once
+    expected = (grid_x.reshape(15, 32) @ grid_w.t()) * factor + plain.bias.detach()
+    assert torch.equal(layer(x), expected.reshape(3, 5, 16))
+    exact = (grid_x.double() @ grid_w.double().t()) / 120.0 + plain.bias.detach().double()
+    assert torch.allclose(layer(x).double(), exact, rtol=1e-6, atol=1e-6)  # fp32 accumulation only
 
 
 def test_ste_gradients_pass_straight_through():

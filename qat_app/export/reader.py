@@ -25,8 +25,9 @@ class HiF8ExportedLinear(HiF8Linear):
     exported-weight hook of every quantized matmul, MoE experts' projections included): in eval mode, while
     the weight is the loaded one (moving the model to another device or dtype keeps it; any in-place change
     or a new parameter does not), the forward pass uses it directly, cast to the compute dtype, which is
-    exactly the fake-quantized weight of the exported QAT model. Otherwise (training mode, or a changed
-    weight) it behaves as ``HiF8Linear``.
+    exactly the fake-quantized weight of the exported QAT model; the mark also keeps the stored codes and scale, so
+    the forward's GEMM runs over the same grid values with the same decode scale as training did. Otherwise
+    (training mode, or a changed weight) it behaves as ``HiF8Linear``.
     """
 
 
@@ -147,20 +148,24 @@ def _restore_buffers(model: nn.Module, layout: dict, tensors: dict[str, torch.Te
         module._buffers[buffer] = tensors[key]
 
 
-def _exported_weights(model: nn.Module, layout: dict) -> list[tuple[QuantizedMatmul, torch.Tensor]]:
-    """(quantized matmul, the weight its forward passes) for every weight stored as codes: dense linears and
-    every expert's slice of a fused parameter (a weight stored dense is quantized as usual)."""
-    pairs = []
+def _exported_weights(model: nn.Module, layout: dict, tensors: dict[str, torch.Tensor]
+                      ) -> list[tuple[QuantizedMatmul, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(quantized matmul, the weight its forward passes, its uint8 codes, its scale) for every weight stored as
+    codes: dense linears and every expert's slice of a fused parameter (a weight stored dense is quantized as
+    usual)."""
+    found = []
     for name, record in layout["quantized_layers"].items():
         if record.get("weight") == "codes":
             layer = model.get_submodule(name)
-            pairs.append((layer, layer.weight))
+            found.append((layer, layer.weight, tensors[record["codes"]], tensors[record["scale"]]))
     for name, record in layout.get("quantized_experts", {}).items():
         experts = model.get_submodule(name)
         for param, entry in record["params"].items():
             if entry.get("weight") == "codes":
-                pairs.extend(experts.projections(param))
-    return pairs
+                codes, scales = tensors[entry["codes"]], tensors[entry["scales"]]
+                found.extend((projection, weight, codes[e], scales[e])
+                             for e, (projection, weight) in enumerate(experts.projections(param)))
+    return found
 
 
 def _restore_scaler_flags(model: nn.Module, layout: dict) -> None:
@@ -205,7 +210,7 @@ def load_hif8(
     _restore_buffers(model, layout, tensors, layout_path)
     _restore_scaler_flags(model, layout)
     model.to(device)
-    for layer, weight in _exported_weights(model, layout):
-        layer.mark_exported(weight)
+    for layer, weight, codes, scale in _exported_weights(model, layout, tensors):
+        layer.mark_exported(weight, codes.to(weight.device), scale.to(weight.device))
     model.eval()
     return model

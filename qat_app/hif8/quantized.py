@@ -39,6 +39,7 @@ from torch import nn
 
 from .fake_quant import dequantize_codes, saturated_mask
 from .formats import Float8Format, get_format
+from .gemm import GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, Operand, column_sums, resolve_gemm, scaled_linear, scaled_mm
 from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
 
@@ -87,6 +88,7 @@ class QuantizedMatmul(nn.Module):
     """
 
     _exported_key: tuple | None = None  # set by mark_exported (the 8-bit export's reader)
+    _exported_codes: tuple | None = None  # (uint8 codes, scale) of the exported weight, when the reader gave them
     measure_health = False  # host-side switch (set_health_measurement): training forwards measure numeric health
 
     def init_quantization(self, recipe: HiF8Recipe | None, runtime: RuntimeOptions | None, device) -> None:
@@ -167,11 +169,14 @@ class QuantizedMatmul(nn.Module):
         base = weight._base if weight._base is not None else weight
         return id(base), base._version, weight.storage_offset(), tuple(weight.shape)
 
-    def mark_exported(self, weight: torch.Tensor | None = None) -> None:
+    def mark_exported(self, weight: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                      scale: torch.Tensor | None = None) -> None:
         """The export hook: ``weight`` (the tensor this matmul's forward passes; default: the module's own
-        ``weight``) already holds ``decode(codes) / scale``. In eval mode, while it is unchanged, it is used
-        as it is; in training mode, or once it changed, it is quantized as usual."""
+        ``weight``) already holds ``decode(codes) / scale``. In eval mode, while it is unchanged, the forward uses
+        the stored ``codes`` and ``scale`` when given (the GEMM then runs over the grid values as in training),
+        else the weight as it is; in training mode, or once it changed, it is quantized as usual."""
         self._exported_key = self.weight_key(self.weight if weight is None else weight)
+        self._exported_codes = None if codes is None else (codes, scale.reshape(()).float())
 
     def is_exported(self, weight: torch.Tensor) -> bool:
         """``weight`` is the one :meth:`mark_exported` marked, unchanged since."""
@@ -187,6 +192,9 @@ class QuantizedMatmul(nn.Module):
         parameter changes (``_version``) or the scale does; forward and backward decode them.
         """
         if self._exported_key is not None and self.quantize_weights and not self.training and self.is_exported(weight):
+            if self._exported_codes is not None:  # the exported codes and scale: what training computed
+                codes, scale = self._exported_codes
+                return codes.to(weight.device), scale.to(weight.device), None
             return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
         scaler = self.weight_scaler
         health = self.measure_health and self.training  # in the key: a cache made without health is remade
@@ -214,14 +222,15 @@ class QuantizedMatmul(nn.Module):
         """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
         self._weight_cache = None
 
-    def plan(self, dtype: torch.dtype) -> "Plan":
+    def plan(self, dtype: torch.dtype, device: torch.device) -> "Plan":
         """This forward's scalers and switches, for the autograd function."""
         return Plan(
             input_scaler=self.input_scaler, activations_on=self.quantize_activations, record=self.training,
             grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format,
             fused=self.runtime.fused, ste_clipped=self.recipe.ste == "clipped",
             save_codes=self.runtime.save_8bit_activations, stochastic_grads=self.recipe.grad_stochastic_rounding,
-            dtype=dtype, health=self.measure_health and self.training,
+            dtype=dtype, health=self.measure_health and self.training, gemm=resolve_gemm(self.runtime.gemm, device),
+            fp8_tail=self.runtime.fp8_tail, weight_max_val=self.weight_scaler.max_val,
         )
 
     def quantized_matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,7 +238,7 @@ class QuantizedMatmul(nn.Module):
         dtype = compute_dtype(x)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             w_saved, w_scale, w_mask = self.quantized_weight(weight, dtype)
-        return QuantizedMatmulFunction.apply(x, weight, bias, w_saved, w_scale, w_mask, self.plan(dtype))
+        return QuantizedMatmulFunction.apply(x, weight, bias, w_saved, w_scale, w_mask, self.plan(dtype, x.device))
 
 
 @dataclass(frozen=True)
@@ -250,36 +259,60 @@ class Plan:
     dtype: torch.dtype  # compute dtype (the autocast dtype under autocast)
     health: bool = False  # measure numeric health (a logging step, training mode)
 
-    def decode(self, saved: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    gemm: str = GEMM_EMULATED  # how the products are computed (:mod:`.gemm`), resolved for the device
+    fp8_tail: str = "drop"  # gemm fp8: the values E4M3 cannot hold (:mod:`.fp8_gemm`)
+    weight_max_val: float = 15.0
+
+    @property
+    def on_grid(self) -> bool:
+        """The GEMMs take grid values and scales (emulated, fp8), not dequantized operands."""
+        return self.gemm != GEMM_DEQUANTIZE_FIRST
+
+    @property
+    def tail(self) -> str | None:
+        """The FP8 tail policy, for the GEMMs whose operands are both quantized (None: no FP8 GEMM)."""
+        return self.fp8_tail if self.gemm == GEMM_FP8 else None
+
+    def operand(self, saved: torch.Tensor, scale: torch.Tensor | None, max_val: float) -> Operand:
+        """A saved operand (uint8 codes + scale, or a tensor) as the GEMM takes it: the grid values with their
+        scale (``decode(codes) / 1`` through the backend: exact), or dequantized (``dequantize_first``)."""
         if scale is None:  # not quantized: the tensor itself
-            return saved
-        return dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused)
+            return Operand(saved)
+        if self.on_grid:
+            grid = dequantize_codes(saved, torch.ones_like(scale), self.fmt, self.dtype, fused=self.fused)
+            return Operand(grid, scale, max_val)
+        return Operand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
 
     def quantize_input(self, x: torch.Tensor):
-        """-> (x for the matmul, codes or None, scale or None, clipped-mask or None)."""
+        """-> (x as the GEMM takes it, what backward keeps of it (codes or a tensor), its scale or None,
+        clipped-mask or None)."""
         scaler = self.input_scaler
         if not self.activations_on:
             if self.record:
                 scaler.observe(x.abs().amax(), None, x.numel())
-            return x, None, None, None
-        result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes, fused=self.fused)
+            return Operand(x), x, None, None
+        result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes or self.on_grid, fused=self.fused)
         if self.record:
             measured = scaler.measure(x, result, scale, self.fmt, fused=self.fused, health=self.health)
             scaler.observe(result.amax, result.clipped, x.numel(), *measured)
-        return result.dequantized, result.codes, scale, passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
+        mask = passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
+        operand = self.operand(result.codes, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
+        if result.codes is not None:  # kept for backward as 8-bit codes + scale
+            return operand, result.codes, scale, mask
+        return operand, operand.values, None, mask  # dequantize_first without save_8bit_activations
 
-    def quantize_grad_output(self, g: torch.Tensor) -> torch.Tensor:
+    def quantize_grad_output(self, g: torch.Tensor) -> Operand:
         scaler = self.grad_scaler
         if scaler is None:
-            return g
+            return Operand(g)
         if not self.grads_on:
             scaler.observe(g.abs().amax(), None, g.numel())
-            return g
+            return Operand(g)
         noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32) if self.stochastic_grads else None
-        result, scale = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused)
+        result, scale = scaler.quantize(g, self.fmt, want_codes=self.on_grid, noise=noise, fused=self.fused)
         measured = scaler.measure(g, result, scale, self.fmt, fused=self.fused, health=self.health, noise=noise)
         scaler.observe(result.amax, result.clipped, g.numel(), *measured)
-        return result.dequantized
+        return self.operand(result.codes, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
 
 
 class QuantizedMatmulFunction(torch.autograd.Function):
@@ -287,9 +320,9 @@ class QuantizedMatmulFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, plan: Plan):
         dtype = plan.dtype
         with torch.autocast(x.device.type, enabled=False):
-            xq, x_codes, x_scale, x_mask = plan.quantize_input(x.to(dtype))
+            x_op, x_saved, x_saved_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
-            out = F.linear(xq, plan.decode(w_saved, w_scale), b)
+            out = scaled_linear(x_op, plan.operand(w_saved, w_scale, plan.weight_max_val), dtype, b, plan.tail)
         if out._base is not None:
             # with a bias, F.linear of an N-D input returns a view (addmm, then a reshape): an output of a
             # custom Function that is a view may not be modified in place (Falcon's `mlp_output += ...`)
@@ -298,7 +331,6 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.has_bias = bias is not None
         # backward needs the quantized input and weight: kept as 8-bit codes + scale where possible
-        x_saved, x_saved_scale = (x_codes, x_scale) if x_codes is not None else (xq, None)
         ctx.save_for_backward(x_saved, x_saved_scale, w_saved, w_scale, x_mask, w_mask)
         return out
 
@@ -308,20 +340,22 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         plan: Plan = ctx.plan
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g = plan.quantize_grad_output(grad_out.to(plan.dtype))
+        g2 = g.flat()
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = g @ plan.decode(w_saved, w_scale)
+        if ctx.needs_input_grad[0]:  # dgrad: g @ W, with W's decode scale
+            w_op = plan.operand(w_saved, w_scale, plan.weight_max_val)
+            grad_x = scaled_mm(g2, w_op, plan.dtype, plan.tail).reshape(*g.values.shape[:-1], -1)
             if x_mask is not None:
                 grad_x = grad_x * x_mask
             grad_x = grad_x.to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            xq = plan.decode(x_saved, x_scale)
-            grad_w = g.reshape(-1, g.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
+        if ctx.needs_input_grad[1]:  # wgrad: g.T @ x, with x's decode scale
+            x_op = plan.operand(x_saved, x_scale, plan.input_scaler.max_val)
+            grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, plan.tail)
             if w_mask is not None:
                 grad_w = grad_w * w_mask
             grad_w = grad_w.to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(b_dtype)
+            grad_b = column_sums(g2).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

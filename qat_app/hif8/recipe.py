@@ -19,6 +19,7 @@ from torch import nn
 
 from .errors import RecipeError
 from .formats import FORMATS, get_format
+from .gemm import FP8_TAILS, GEMM_EMULATED, GEMM_MODES, TAIL_DROP
 
 AMAX_ALGOS = ("most_recent", "exp_smooth", "max", "current")
 STE_MODES = ("identity", "clipped")
@@ -146,13 +147,29 @@ class RuntimeOptions:
         quantize_weights: the weight switch a converted layer starts with (the BF16 warmup drives it during
             fit; observers record amax either way).
         quantize_activations: the activation switch a converted layer starts with (likewise).
+        gemm: how the products are computed: ``emulated`` (the hardware's arithmetic: the 8-bit grid values
+            multiplied with an fp32 accumulator, the two decode scales applied to it before the one rounding to
+            the output dtype; what an HiF8 NPU or an FP8 tensor core does) or ``dequantize_first`` (each operand
+            dequantized to the compute dtype first, then multiplied: an extra rounding under bf16; the former
+            path, kept to compare); ``fp8``: the same product on FP8 tensor cores (``torch._scaled_mm`` on the grid
+            values cast exactly to E4M3; CUDA sm89+, or the CPU in torch >= 2.13); ``auto``: fp8 on GPUs with FP8
+            tensor cores, emulated elsewhere.
+        fp8_tail: with ``gemm: fp8``, the grid values under 2^-12 of the scale, which E4M3 cannot hold: ``drop``
+            (left out of the product; relative error ~1e-7 on normal data) or ``exact`` (carried by extra FP8
+            GEMMs, up to 4x the GEMM work).
     """
 
     fused: Literal[FUSED_MODES] = "auto"
     save_8bit_activations: bool = True
     quantize_weights: bool = True
     quantize_activations: bool = True
+    gemm: Literal[GEMM_MODES] = GEMM_EMULATED
+    fp8_tail: Literal[FP8_TAILS] = TAIL_DROP
 
     def __post_init__(self) -> None:
         if self.fused not in FUSED_MODES:
             _fail("fused", f"unknown value {self.fused!r}; allowed: {', '.join(FUSED_MODES)}")
+        if self.gemm not in GEMM_MODES:
+            _fail("gemm", f"unknown value {self.gemm!r}; allowed: {', '.join(GEMM_MODES)}")
+        if self.fp8_tail not in FP8_TAILS:
+            _fail("fp8_tail", f"unknown value {self.fp8_tail!r}; allowed: {', '.join(FP8_TAILS)}")

@@ -1,0 +1,93 @@
+"""HiF8 GEMMs on FP8 tensor cores: the grid values cast to E4M3 exactly, multiplied by ``torch._scaled_mm``.
+
+Every HiF8 value whose scaled magnitude lies in [2^-12, 15] becomes an E4M3 value when multiplied by 16 (a power
+of two: exact), and 15 x 16 = 240 stays under E4M3's 448 (``tests/test_gemm.py`` checks all 256 codes). In
+general an operand quantized with ``max_val`` is shifted by the largest power of two that keeps ``max_val``
+within 448 (16 for 15, 2 for the gradients' 224). What is left, the *tail* (the few grid values below 2^-12 of
+the scale: HiF8's denormals and 1-bit tier there, which E4M3 would round), follows ``tail``:
+
+* ``drop``: the tail elements are left out of the product. Each is under 2^-12 / 15 of its tensor's amax, so
+  the relative error of a GEMM is bounded by the tail's share of the operands' mass (``tests/test_gemm.py``
+  measures it: about 1e-7 on normal data, far below bf16's output rounding);
+* ``exact``: the tail, shifted by a further 2^14, is exact in E4M3 too and is carried by extra GEMMs (tail x
+  main, main x tail, tail x tail): the product equals the emulated one up to the accumulation order, at up to 4x
+  the GEMM work.
+
+``torch._scaled_mm`` takes a row-major first operand and a column-major second one, both with dimensions padded
+here to multiples of 16 (zeros: they add nothing), and the two decode scales ``1 / (s shift)``; its fp32 outputs
+are summed, the bias is added and the result rounded once to the output dtype. It runs on FP8 tensor cores
+(CUDA sm89 and later) and, in torch >= 2.13, on the CPU (exactly: tests compare it with the emulation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+TAIL_DROP, TAIL_EXACT = "drop", "exact"
+FP8_TAILS = (TAIL_DROP, TAIL_EXACT)
+TAIL_SHIFT = 2.0**14  # the tail's further shift: its values (< 2^-12, >= 2^-22) x 16 x 2^14 land in [2^-4, 64)
+ALIGN = 16  # _scaled_mm's dimension granularity on CUDA
+
+
+def shift_for(max_val: float) -> float:
+    """The largest power of two that keeps ``max_val`` within E4M3's range."""
+    return 2.0 ** math.floor(math.log2(E4M3_MAX / max_val))
+
+
+def fp8_available(device: torch.device | str) -> tuple[bool, str]:
+    """(whether ``torch._scaled_mm`` can run E4M3 GEMMs on ``device``, why not)."""
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return False, f"this torch ({torch.__version__}) has no torch._scaled_mm / float8_e4m3fn"
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return False, (f"{torch.cuda.get_device_name(device)} (sm{major}{minor}) has no FP8 tensor cores "
+                           "(sm89 Ada, sm90 Hopper or later)")
+        return True, ""
+    if device.type == "cpu":
+        try:
+            one = torch.ones(1, 1).to(E4M3)
+            torch._scaled_mm(one, one.t(), scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError) as err:
+            return False, f"torch._scaled_mm does not run on the CPU in torch {torch.__version__} ({err})"
+        return True, ""
+    return False, f"no FP8 GEMM on {device.type}"
+
+
+def _pad(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (2-D) padded with zeros to multiples of :data:`ALIGN`."""
+    rows, cols = (-x.shape[0]) % ALIGN, (-x.shape[1]) % ALIGN
+    return torch.nn.functional.pad(x, (0, cols, 0, rows)) if rows or cols else x
+
+
+def e4m3_parts(values: torch.Tensor, scale: torch.Tensor, max_val: float, tail: str
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Grid values ``[rows, K]`` -> ``[(E4M3 tensor, decode scale)]``: the main part, and the tail (``exact``).
+
+    Each E4M3 tensor is padded to multiples of 16 and row-major; value x decode scale is the grid value / s."""
+    shift = shift_for(max_val)
+    shifted = _pad(values.float() * shift)
+    exact = shifted.to(E4M3).float() == shifted
+    main_scale = torch.reciprocal(scale.double().reshape(()) * shift).float()
+    parts = [(torch.where(exact, shifted, 0.0).to(E4M3), main_scale)]
+    if tail == TAIL_EXACT:
+        tail_scale = torch.reciprocal(scale.double().reshape(()) * shift * TAIL_SHIFT).float()
+        parts.append((torch.where(exact, 0.0, shifted * TAIL_SHIFT).to(E4M3), tail_scale))
+    return parts
+
+
+def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, a_max_val: float, b_t: torch.Tensor, b_scale: torch.Tensor,
+           b_max_val: float, tail: str) -> torch.Tensor:
+    """``a @ b_t.T`` (``a`` ``[M, K]``, ``b_t`` ``[N, K]`` grid values) divided by ``s_a s_b``: fp32 ``[M, N]``."""
+    rows, cols = a.shape[0], b_t.shape[0]
+    out = None
+    for a8, sa in e4m3_parts(a, a_scale, a_max_val, tail):
+        for b8, sb in e4m3_parts(b_t, b_scale, b_max_val, tail):
+            part = torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+            out = part if out is None else out + part
+    return out[:rows, :cols]
