@@ -220,3 +220,44 @@ def test_fp8_where_it_cannot_run_is_refused_naming_the_setting(caplog):
         RuntimeOptions(gemm="fp16")
     with pytest.raises(RecipeError, match=r"fp8_tail: unknown value 'keep'"):
         RuntimeOptions(fp8_tail="keep")
+
+
+# ------------------------------------------------------------------------------------------- power-of-two scales
+def test_power_of_two_scales_round_down_and_keep_the_statistics_consistent():
+    from qat_app.hif8.scaling import AmaxScaler
+
+    scaler = AmaxScaler("max", 4, max_val=15.0, power_2=True)
+    x = torch.randn(1000) * 2.3
+    amax = x.abs().max()
+    scaler.observe(amax, None, x.numel())
+    scaler.advance()
+    exact = 15.0 / float(amax)
+    s = float(scaler.scale)
+    assert s == 2.0 ** np.floor(np.log2(exact)) and s <= exact < 2 * s  # the power-of-two floor
+    assert float(scaler.whatif_scale[2]) == s  # max's what-if column is the real scale
+    result, used = scaler.quantize(x, "hif8")
+    assert int(result.clipped) == 0 and float(used) == s  # rounding the scale down never clips more
+    scaler.observe(result.amax, result.clipped, x.numel())
+    scaler.advance()
+    # the headroom is that of the estimate the rounded scale stands for: 15 / s >= a_hat
+    assert float(scaler.last_headroom) == pytest.approx(15.0 / s / float(amax)) and float(scaler.last_headroom) >= 1.0
+    current = AmaxScaler("current", 4, power_2=True)
+    _, cts_scale = current.quantize(x, "hif8")
+    assert float(cts_scale) == s
+
+
+def test_with_power_of_two_scales_dequantizing_first_is_exact_too():
+    """Scaling by a power of two commutes with every rounding: both GEMM paths give the same bits in fp32."""
+    outs = {}
+    for gemm in ("emulated", "dequantize_first"):
+        torch.manual_seed(0)
+        layer = HiF8Linear.from_linear(nn.Linear(48, 24), **QuantConfig(
+            fused="off", gemm=gemm, history_len=4, power_2_scales=True).layer_options())
+        x = torch.randn(6, 48, requires_grad=True)
+        for _ in range(2):
+            x.grad = layer.weight.grad = None
+            out = layer(x)
+            out.pow(2).sum().backward()
+            sync_and_advance(layer)
+        outs[gemm] = (out.detach(), x.grad, layer.weight.grad)
+    assert all(torch.equal(a, b) for a, b in zip(outs["emulated"], outs["dequantize_first"]))

@@ -55,12 +55,14 @@ def fake_quantize_current(
     want_codes: bool = False,
     noise: torch.Tensor | None = None,
     fused: str = "off",
+    power_2: bool = False,
 ) -> tuple[FakeQuantResult, torch.Tensor]:
-    """Current-scaling fake quantization; returns the result and the scale that was used."""
+    """Current-scaling fake quantization; returns the result and the scale that was used (rounded down to a power
+    of two with ``power_2``)."""
     name = _name(fmt)
     threshold = saturation_threshold(name, float(max_val))
     return resolve(fused, x.device.type, name).quantize_current(
-        x, fallback_scale, float(max_val), threshold, float(margin), name, want_codes, noise)
+        x, fallback_scale, float(max_val), threshold, float(margin), name, want_codes, noise, bool(power_2))
 
 
 def dequantize_codes(

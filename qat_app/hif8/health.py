@@ -153,19 +153,19 @@ def summarize(health: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tenso
 
 # ----------------------------------------------------------------------------------------------- what-if
 def _count_whatif(x: torch.Tensor, scales_and_amax: torch.Tensor, max_val: float, margin: float,
-                  threshold: float) -> torch.Tensor:
+                  threshold: float, power_2: bool = False) -> torch.Tensor:
     """int64 [len(WHATIF_ALGOS)]: elements of ``x`` clipped under each estimator's scale. ``scales_and_amax``:
     the delayed estimators' scales in :data:`DELAYED_ALGOS` order, then ``x``'s amax, from which current
     scaling takes its scale as ``fake_quantize_current`` does (falling back to most_recent's scale)."""
     delayed, amax = scales_and_amax[: len(DELAYED_ALGOS)], scales_and_amax[len(DELAYED_ALGOS)]
-    current = current_scale(amax, max_val, margin, delayed[DELAYED_ALGOS.index("most_recent")])
+    current = current_scale(amax, max_val, margin, delayed[DELAYED_ALGOS.index("most_recent")], power_2)
     scales = torch.cat([delayed, current.reshape(1)])
     magnitude = x.float().abs()  # scales are > 0, so |x * s| == |x| * s exactly
     return torch.stack([(magnitude * scales[k] >= threshold).sum() for k in range(len(WHATIF_ALGOS))])
 
 
 def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Tensor, max_val: float, margin: float,
-                   threshold: float, fused: str = "off") -> torch.Tensor:
+                   threshold: float, fused: str = "off", power_2: bool = False) -> torch.Tensor:
     """The what-if clipped counts of ``x`` (int64 [len(WHATIF_ALGOS)], device ops only): under the scales of the
     delayed estimators (:data:`DELAYED_ALGOS` order) and under current scaling from ``amax`` (``x``'s).
 
@@ -173,7 +173,8 @@ def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Te
     not see the scaler's buffer views (each view's offset would be another compilation).
     """
     scales_and_amax = torch.cat([delayed_scales, amax.float().reshape(1)])
-    return _run(_count_whatif, fused, x.detach(), scales_and_amax, float(max_val), float(margin), float(threshold))
+    return _run(_count_whatif, fused, x.detach(), scales_and_amax, float(max_val), float(margin), float(threshold),
+                bool(power_2))
 
 
 # ----------------------------------------------------------------------------------------------- how they run

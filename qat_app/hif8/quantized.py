@@ -99,7 +99,8 @@ class QuantizedMatmul(nn.Module):
         max_vals = (recipe.resolved_max_val, recipe.resolved_max_val, recipe.grad_max_val if recipe.quantize_grads else None)
         for name, max_val in zip(SCALER_NAMES, max_vals):
             setattr(self, name, None if max_val is None else AmaxScaler(
-                recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device))
+                recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device,
+                power_2=recipe.power_2_scales))
         # operand -> its fallback decision (target, step, reason, evidence); set by fall_back, in the extra state
         self.fallback: dict[str, dict] = {}
         self._switches = {"input": runtime.quantize_activations, "weight": runtime.quantize_weights,

@@ -63,6 +63,9 @@ class HiF8Recipe:
         max_val: where a_hat is mapped to, s = max_val / a_hat; None: the format's default (HiF8: 15, the top
             of the 3-bit-mantissa tier).
         margin: extra headroom, s = max_val / a_hat / 2**margin (TransformerEngine's margin).
+        power_2_scales: round every scale down to a power of two (TransformerEngine's ``use_power_2_scales``,
+            torchao's ``round_scales_to_power_of_2``): dequantizing is then exact in any dtype; the headroom and
+            the saturation counts follow the scale actually used.
         ste: ``identity`` (straight-through, the paper's) or ``clipped`` (zero gradient where the forward
             saturated).
         quantize_grads: also fake-quantize the output gradient in backward (own scaler).
@@ -76,6 +79,7 @@ class HiF8Recipe:
     alpha: float = 0.1
     max_val: Optional[float] = None
     margin: float = 0.0
+    power_2_scales: bool = False
     ste: Literal[STE_MODES] = "identity"
     quantize_grads: bool = False
     grad_max_val: float = 224.0

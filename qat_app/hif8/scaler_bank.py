@@ -74,6 +74,7 @@ class ScalerBank:
     def __init__(self, scalers: list[AmaxScaler]) -> None:
         first = scalers[0]
         self.algo, self.history_len, self.alpha, self.margin = first.algo, first.history_len, first.alpha, first.margin
+        self.power_2 = first.power_2
         self.max_val = first.max_val
         # the column of delayed_estimates that is this bank's a_hat (current: what it saw last, for logging
         # and fallback)
@@ -142,7 +143,7 @@ class ScalerBank:
         history.copy_(torch.where(valid[:, None], pushed, history))
         f[_F["last_amax"]].copy_(amax)
         last_a_hat = f[_F["last_a_hat"]]
-        last_a_hat.copy_(torch.where(self._uses_current_scaling(), amax, a_hat))
+        last_a_hat.copy_(self._estimate_used(amax, a_hat, scale))
         i[3:5].copy_(i[0:2])  # last_clipped, last_numel
         i[5:7].add_(i[0:2])  # total_clipped, total_numel
         quantized = step_numel > 0
@@ -157,10 +158,10 @@ class ScalerBank:
         estimates = delayed_estimates(history, smoothed)
         a_hat.copy_(torch.where(valid, estimates[:, self.own_estimate], a_hat))
         i[_I["steps_recorded"]].add_(valid.long())
-        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale))
+        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale, self.power_2))
         # what-if scales by the same rule (a zero/NaN/inf estimate keeps that estimator's previous scale): the
         # own algorithm's column is the real scale, bit for bit
-        self.whatif_scale.copy_(compute_scale(estimates, self.max_val, self.margin, self.whatif_scale))
+        self.whatif_scale.copy_(compute_scale(estimates, self.max_val, self.margin, self.whatif_scale, self.power_2))
         # what-if counts: close the step's (an event: >= 1 element clipped on any rank)
         whatif = self.whatif
         whatif[1].copy_(whatif[0])
@@ -168,6 +169,15 @@ class ScalerBank:
         whatif[3].add_(((whatif[0] > 0) | (self.whatif_anywhere > 0)).long())
         self._clear_step(closed=True)
         self._after_update()
+
+    def _estimate_used(self, amax: torch.Tensor, a_hat: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The estimate the step was quantized with (for the headroom): its a_hat (the step's amax under current
+        scaling); with power-of-two scales, the one the rounded scale stands for, max_val / (s 2^margin) >= a_hat."""
+        current = self._uses_current_scaling()
+        if not self.power_2:
+            return torch.where(current, amax, a_hat)
+        used = torch.where(current, compute_scale(amax, self.max_val, self.margin, scale, True), scale)
+        return self.max_val / (used * 2.0**self.margin)
 
     def _smooth(self, amax, previous, first) -> torch.Tensor:
         """exp_smooth: alpha * amax(t-1) + (1 - alpha) * a_hat(t-1), a_hat(1) = amax(0)."""
@@ -204,9 +214,9 @@ class ScalerBank:
             a_hat.copy_(history.amax(dim=1))
         elif self.algo in ("most_recent", "current"):
             a_hat.copy_(history[:, 0])
-        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale))
+        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale, self.power_2))
         estimates = delayed_estimates(history, self.row("smoothed_a_hat"))
-        self.whatif_scale.copy_(compute_scale(estimates, self.max_val, self.margin, self.whatif_scale))
+        self.whatif_scale.copy_(compute_scale(estimates, self.max_val, self.margin, self.whatif_scale, self.power_2))
         for scaler in self.scalers:
             scaler.__dict__["version"] += 1
 
@@ -224,7 +234,7 @@ def banks(scalers: list[AmaxScaler]) -> list[ScalerBank]:
     """The stacked banks of ``scalers`` (one per algorithm/window/alpha/max_val/margin/device), reused while intact."""
     groups: dict[tuple, list[AmaxScaler]] = {}
     for s in scalers:
-        key = (s.algo, s.history_len, s.alpha, s.max_val, s.margin, s._buffers["amax_history"].device)
+        key = (s.algo, s.history_len, s.alpha, s.max_val, s.margin, s.power_2, s._buffers["amax_history"].device)
         groups.setdefault(key, []).append(s)
     out = []
     for members in groups.values():

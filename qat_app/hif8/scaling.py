@@ -58,6 +58,7 @@ class AmaxScaler(nn.Module):
         max_val: float = 15.0,
         margin: float = 0.0,
         device: torch.device | str | None = None,
+        power_2: bool = False,
     ) -> None:
         super().__init__()
         if algo not in AMAX_ALGOS:
@@ -67,6 +68,7 @@ class AmaxScaler(nn.Module):
         self.alpha = alpha
         self.max_val = max_val
         self.margin = margin
+        self.power_2 = power_2  # scales rounded down to a power of two (HiF8Recipe.power_2_scales)
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         self.register_buffer("amax_history", torch.zeros(history_len, **f32))  # [0] = most recent step
@@ -109,7 +111,8 @@ class AmaxScaler(nn.Module):
         self.health_last: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
-        return f"algo={self.algo}, history_len={self.history_len}, max_val={self.max_val}, margin={self.margin}"
+        return (f"algo={self.algo}, history_len={self.history_len}, max_val={self.max_val}, margin={self.margin}"
+                + (", power_2" if self.power_2 else ""))
 
     @property
     def uses_current_scaling(self) -> bool:
@@ -125,6 +128,7 @@ class AmaxScaler(nn.Module):
         """
         if self.uses_current_scaling:
             return fake_quantize_current(x, self.scale, self.max_val, self.margin, fmt, want_codes=want_codes,
+                                         power_2=self.power_2,
                                          noise=noise, fused=fused)
         result = fake_quantize(x, self.scale, self.max_val, fmt, want_codes=want_codes, noise=noise, fused=fused)
         return result, self.scale.clone()
@@ -145,6 +149,7 @@ class AmaxScaler(nn.Module):
         if self.has_history:
             threshold = saturation_threshold(fmt.name, float(self.max_val))
             whatif = whatif_clipped(x, self.whatif_scale, result.amax, self.max_val, self.margin, threshold,
+                                    power_2=self.power_2,
                                     fused=fused)
         if not health:
             return whatif, None
@@ -202,7 +207,8 @@ class AmaxScaler(nn.Module):
         """The delayed estimators' scales for a checkpoint that predates them: from its history, falling back
         to its scale where an estimate is not usable."""
         estimates = delayed_estimates(saved["amax_history"], saved["smoothed_a_hat"])
-        return compute_scale(estimates, self.max_val, self.margin, saved["scale"].expand(len(DELAYED_ALGOS)))
+        return compute_scale(estimates, self.max_val, self.margin, saved["scale"].expand(len(DELAYED_ALGOS)),
+                             self.power_2)
 
     # buffers added after checkpoints were first written: (name, value for a run that predates them, or the
     # method that derives it from the checkpoint's state; in this order, as a derivation may read an earlier one)

@@ -35,7 +35,7 @@ class Backend(Protocol):
 
     def quantize_current(self, x: torch.Tensor, fallback_scale: torch.Tensor, max_val: float, clip_threshold: float,
                          margin: float, fmt_name: str, want_codes: bool,
-                         noise: torch.Tensor | None) -> tuple[FakeQuantResult, torch.Tensor]:
+                         noise: torch.Tensor | None, power_2: bool = False) -> tuple[FakeQuantResult, torch.Tensor]:
         """Current scaling: the scale comes from ``x``'s own amax; returns (result, scale used)."""
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, dtype: torch.dtype) -> torch.Tensor:
