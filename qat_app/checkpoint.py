@@ -17,13 +17,17 @@ A checkpoint is accepted when it
     HiF8Linear with its amax histories of the configured length, the same quantized layers).
 Settings given now that differ from the checkpoint's: with ``--ckpt_path last`` and with a FILE alike, a
 resume continues the saved run, so what defines the run -- the model (``model_name``, ``dtype``, every
-``quant.*`` but the layer-selection patterns, which the state check covers), the data (every ``data.*`` but the benchmarks and ``val_batch_size``, the devices x workers
+``quant.*`` but the layer-selection patterns, which the state check covers, and the GEMM path ``gemm`` /
+``fp8_tail``, which leaves the state as it is; a ``quant.*`` setting added after the checkpoint was written is
+no change at its default), the data (every ``data.*`` but the benchmarks and ``val_batch_size``, the devices x workers
 the data stream was split over) and ``warmup.warmup_steps`` -- is refused when changed
 (:class:`ResumeSettingsError`, naming each setting and both values); optimisation settings (``lr``,
 ``weight_decay``, the schedule, ...) may change: the new value is used, with a warning.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import logging
 import os
@@ -40,8 +44,9 @@ SOFT_MODEL_SETTINGS = ("lr", "weight_decay", "betas", "eps", "lr_schedule", "lr_
                        "max_consecutive_nonfinite", "gradient_checkpointing")
 SOFT_DATA_SETTINGS = ("val_batch_size", "benchmarks")
 # selection patterns: once the state check has passed, the same layers are quantized (an older default
-# pattern that selects the same modules is no change)
-SAME_STATE_MODEL_SETTINGS = ("quant.module_pattern", "quant.block_pattern")
+# pattern that selects the same modules is no change); the GEMM path: the same state, products that differ by
+# roundings (a run may move to FP8 tensor cores, or a checkpoint from before the emulated GEMM continue on it)
+SAME_STATE_MODEL_SETTINGS = ("quant.module_pattern", "quant.block_pattern", "quant.gemm", "quant.fp8_tail")
 _RESUME_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "global_step")
 _MAX_LISTED = 6
 
@@ -330,6 +335,17 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+def _is_later_quant_default(key: str, value: Any) -> bool:
+    """``quant.<field>`` at the core's default (a checkpoint written before the field existed lacks it)."""
+    if not key.startswith("quant."):
+        return False
+    from .config import QuantConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
+    name = key[len("quant."):]
+    return name in defaults and defaults[name] == value
+
+
 def hparam_differences(saved: Any, now: Any) -> list[str]:
     """``["quant.history_len: 5 -> 8", ...]`` for the model hyperparameters that differ."""
     if not saved or now is None:
@@ -341,6 +357,8 @@ def hparam_differences(saved: Any, now: Any) -> list[str]:
     out = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key), b.get(key)
+        if key not in a and _is_later_quant_default(key, vb):
+            continue  # a setting added since, at its default: the saved run behaved that way
         if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
             va, vb = list(va), list(vb)
         if va != vb:

@@ -1,10 +1,13 @@
 """Checkpoints written by earlier mains resume on today's code: the losses after the resume, the final weights
 and the optimizer-driven scaler state (amax histories, a_hat, scales, steps recorded) are those of the
-uninterrupted run of that code. Two fixtures, both made by tests/fixtures/checkpoint_v1/make.py:
+uninterrupted run of that code. Three fixtures, all made by tests/fixtures/checkpoint_v1/make.py:
 
 * checkpoint_v1: commit ff1cdb1 (per-layer scaler buffers, before the exact saturation counters);
 * checkpoint_v2: commit 05d3587, the main before issue 20 (stacked scaler state, exact counters, the
   hand-written QuantConfig; see its MADE_WITH).
+* checkpoint_v3: commit 201f624, the main before issue 23 (a GEMM that dequantized first; what-if state and
+  fallback decisions in the state): it resumes under the emulated GEMM, whose fp32 products differ from the
+  former ones by roundings only, within the tolerances below.
 
 Each holds the tiny model, corpus and config, the step-2 checkpoint, and the losses and final state of the
 uninterrupted 4-step run -- recorded on the machine that made it. Two checks, so that the test holds on any
@@ -36,7 +39,7 @@ import main as cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 # fixture -> the directory it was made in (its checkpoint names paths there)
-MADE_IN = {"checkpoint_v1": "/tmp/ckv1", "checkpoint_v2": "/tmp/ckv2"}
+MADE_IN = {"checkpoint_v1": "/tmp/ckv1", "checkpoint_v2": "/tmp/ckv2", "checkpoint_v3": "/tmp/ckv3"}
 # telemetry that did not exist (or counted differently) in that code: not part of the exact state
 NEW_TELEMETRY = ("quantized_steps", "last_headroom", "min_headroom", "total_clipped", "last_clipped",
                  "saturation_events", "total_numel", "last_numel", "last_a_hat")
