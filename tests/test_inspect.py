@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import main as cli
 from qat_app.config import QuantConfig, quantize_model
-from qat_app.hif8.fake_quant import fake_quantize
+from qat_app.hif8.formats import hif8_round_f32
 from qat_app.hif8.layer_error import (EndToEnd, calibrate, end_to_end, exclusion_pattern, layer_comparison,
                                       suggest_high_precision_layers)
 from qat_app.hif8.linear import HiF8Linear
@@ -49,7 +49,7 @@ def record_inputs(model) -> tuple[dict[str, list[torch.Tensor]], list]:
 
 def test_per_layer_sqnr_equals_an_independent_computation(tiny_llama):
     """Calibrated delayed scales (max of the calibration batches' amax), then each layer's SQNR and cosine as
-    fake_quantize + F.linear give them on the inputs the high-precision model feeds it."""
+    the grid values' product with the decode scales gives them on the inputs the high-precision model feeds it."""
     model = tiny_llama
     quantize_model(model, QuantConfig(high_precision_layers=0, fused="off", history_len=8))
     calibration, compared = batches(2, seed=1), batches(2, seed=2)
@@ -64,13 +64,20 @@ def test_per_layer_sqnr_equals_an_independent_computation(tiny_llama):
     for hook in hooks:
         hook.remove()
     assert set(errors) == {name for name, _ in quantized_linears(model)} and len(errors) == 12
+    def grid(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # the HiF8 grid values of t * scale
+        return hif8_round_f32((t.float() * scale).clamp(-MAX_VAL, MAX_VAL))
+
     for name, layer in quantized_linears(model):
         w = layer.weight.detach()
-        w_q = fake_quantize(w, MAX_VAL / w.abs().amax(), MAX_VAL, "hif8").dequantized
+        s_w = MAX_VAL / w.abs().amax()
         signal = noise = dot = power = 0.0
         for x in seen[name]:
             y = F.linear(x, w).double()
-            y_q = F.linear(fake_quantize(x, MAX_VAL / input_amax[name], MAX_VAL, "hif8").dequantized, w_q).double()
+            # the hardware's arithmetic (the default gemm): grid values, fp32 accumulator, 1 / (s_x s_w) on it
+            s_x = MAX_VAL / input_amax[name]
+            factor = torch.reciprocal(s_x.double() * s_w.double()).float()
+            flat = grid(x, s_x).reshape(-1, x.shape[-1]) @ grid(w, s_w).t()
+            y_q = (flat * factor).reshape(*x.shape[:-1], -1).double()
             signal, noise = signal + float(y.square().sum()), noise + float((y_q - y).square().sum())
             dot, power = dot + float((y * y_q).sum()), power + float(y_q.square().sum())
         assert errors[name].sqnr_db == pytest.approx(10 * math.log10(signal / noise), rel=1e-9), name
