@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_fsdp_fit_script_runs_and_reports(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp_fit.py"), "--device", "cpu", "--tiny",
                            "--steps", "4", "--seq-len", "64", "--micro-batch", "2", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
