@@ -142,6 +142,7 @@ class QATCLI(LightningCLI):
             preflight.relocate_run(cfg.trainer, cfg.run_dir)
         preflight.check_accelerator(cfg.trainer)
         preflight.check_model_settings(cfg.get("model"))
+        preflight.check_gemm(cfg)
         preflight.derive_gradient_accumulation(cfg)
         if self.subcommand == "fit":
             preflight.check_fit_settings(cfg)

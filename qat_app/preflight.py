@@ -113,6 +113,25 @@ def check_model_settings(model_cfg) -> None:
     resolve_dtype(model_cfg.get("dtype", "float32"))
 
 
+def check_gemm(cfg) -> None:
+    """``model.quant.gemm: fp8`` where ``torch._scaled_mm`` cannot run (a GPU before sm89, a torch without it):
+    stop before the model is loaded, naming the setting (``auto`` picks what runs, at the first forward)."""
+    quant = (cfg.get("model") or {}).get("quant") or {}
+    if quant.get("gemm") != "fp8":
+        return
+    import torch
+
+    from qat_app.hif8.errors import FieldError
+    from qat_app.hif8.gemm import resolve_gemm
+
+    accelerator = str(cfg.trainer.get("accelerator") or "auto")
+    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    try:
+        resolve_gemm("fp8", "cuda" if cuda else "cpu")
+    except FieldError as err:
+        raise ConfigError(f"model.quant.{err.field}{err.sep}{err.message}") from None
+
+
 def derive_gradient_accumulation(cfg) -> None:
     """``data.global_batch_size`` -> ``trainer.accumulate_grad_batches`` for the micro-batch and the devices
     (refused when the global batch is no multiple of micro-batch x devices)."""

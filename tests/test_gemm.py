@@ -261,3 +261,18 @@ def test_with_power_of_two_scales_dequantizing_first_is_exact_too():
             sync_and_advance(layer)
         outs[gemm] = (out.detach(), x.grad, layer.weight.grad)
     assert all(torch.equal(a, b) for a, b in zip(outs["emulated"], outs["dequantize_first"]))
+
+
+def test_fp8_is_refused_at_start_naming_the_setting(monkeypatch, tmp_path, tiny_model_dir, tiny_corpus):
+    """Before the model is loaded, through main.py: a device without FP8 GEMMs stops the run with one line."""
+    import main as cli
+    from qat_app.errors import ConfigError
+    from qat_app.hif8 import gemm as gemm_module
+    from tests._cli_runs import write_config
+
+    monkeypatch.setattr(gemm_module, "fp8_available", lambda device: (False, "no FP8 tensor cores here (test)"))
+    monkeypatch.setattr(gemm_module, "_resolved", {})
+    config = write_config(tmp_path, tiny_model_dir, tiny_corpus, **{"model.quant.gemm": "fp8"})
+    with pytest.raises(ConfigError, match=r"model\.quant\.gemm: fp8 cannot run on cpu: no FP8 tensor cores here "
+                                          r"\(test\); use gemm: emulated"):
+        cli.cli_main(["fit", "--config", config])
