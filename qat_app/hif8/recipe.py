@@ -147,7 +147,8 @@ class RuntimeOptions:
         fused: ``auto`` compiles the fake-quant kernels (torch.compile, or Triton on a GPU) where a compiler
             works, ``on`` requires it, ``off`` runs plain torch; identical results.
         save_8bit_activations: keep the quantized input for backward as uint8 codes plus the scale instead
-            of a full-precision tensor (same gradients, a quarter/half the memory).
+            of a full-precision tensor (same gradients, a quarter/half the memory). The GEMMs over the grid
+            (``gemm`` emulated, fp8, auto) always keep the codes: they are the operand.
         quantize_weights: the weight switch a converted layer starts with (the BF16 warmup drives it during
             fit; observers record amax either way).
         quantize_activations: the activation switch a converted layer starts with (likewise).
