@@ -42,12 +42,12 @@ says so). The codes depend on the compute dtype of the QAT forward pass (``compu
 the weight's dtype; pass ``"bfloat16"`` for a model run under bf16 autocast).
 
 The quantized layers of the loaded model are :class:`HiF8ExportedLinear`: a ``HiF8Linear`` whose
-weight already holds the dequantized 8-bit values; in eval mode, while the weight is unchanged, it
-uses them as they are (re-quantizing them would need the exact scale again, which current scaling
-would recompute differently). In training mode, or once the weight has been changed, it is a plain
+weight already holds the dequantized 8-bit values; in eval mode, while the weight is unchanged, its forward
+uses the stored codes and scale (re-quantizing the weight would need the exact scale again, which current
+scaling would recompute differently). In training mode, or once the weight has been changed, it is a plain
 ``HiF8Linear`` (restored scalers included), so QAT can continue. Quantized experts are rebuilt as
 ``HiF8Experts`` whose fused parameters hold ``decode(codes[e]) / scale[e]``; their projections are marked
-the same way (:meth:`~qat_app.hif8.experts.HiF8Experts.mark_exported`).
+the same way, each with its own codes and scale.
 
 Plain HF export (:func:`export_hf`): a copy of the model with every ``HiF8Linear`` replaced by its
 plain module (``dequantize_model``) and ``save_pretrained`` + tokenizer, loadable by lm-eval and any

@@ -16,9 +16,9 @@ Everything else is as for :class:`~qat_app.hif8.linear.HiF8Linear`: both are a
 :class:`~qat_app.hif8.quantized.QuantizedMatmul` (the same scalers, weight quantization, plan, autograd
 function and switches), so the warmup switch, the saturation counters, the batched scaler update and
 checkpoints cover the experts too. The 8-bit export stores each fused parameter as per-expert uint8 codes
-+ scales; its reader marks each projection's weight slice (:meth:`QuantizedMatmul.mark_exported
-<qat_app.hif8.quantized.QuantizedMatmul.mark_exported>`, through :meth:`HiF8Experts.mark_exported`) so that
-in eval mode they use the loaded ``decode(codes) / scale`` weights as they are.
++ scales; its reader marks each projection's weight slice with its codes and scale (:meth:`QuantizedMatmul.mark_exported
+<qat_app.hif8.quantized.QuantizedMatmul.mark_exported>`) so that in eval mode they run on exactly what training
+computed.
 """
 
 from __future__ import annotations
@@ -87,13 +87,6 @@ class HiF8Experts(nn.Module):
         """(projection, the weight slice its forward passes) of every expert, for ``gate_up_proj`` or ``down_proj``."""
         weight, projections = getattr(self, param), getattr(self, dict(self.PARAMS)[param])
         return [(projections[e], weight[e]) for e in range(self.num_experts)]
-
-    def mark_exported(self, params: tuple[str, ...] = ("gate_up_proj", "down_proj")) -> None:
-        """The 8-bit export's reader: every expert's slices of ``params`` hold ``decode(codes) / scale`` (see
-        :meth:`~qat_app.hif8.quantized.QuantizedMatmul.mark_exported`)."""
-        for param in params:
-            for projection, weight in self.projections(param):
-                projection.mark_exported(weight)
 
     def to_float(self) -> nn.Module:
         """The original experts module (it shares the trained parameters)."""

@@ -55,13 +55,6 @@ class Operand:
     def quantized(self) -> bool:
         return self.scale is not None
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """``q / s`` in ``dtype`` (IEEE division in float32, then the cast: the fake quantization's own result), or
-        the tensor itself."""
-        if self.scale is None:
-            return self.values.to(dtype)
-        return (self.values.float() / self.scale).to(dtype)
-
     def t(self) -> "Operand":
         return Operand(self.values.t(), self.scale, self.max_val)
 
