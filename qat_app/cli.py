@@ -4,7 +4,7 @@
 constructor argument is a flag, e.g. ``--model.quant.amax_algo most_recent``, ``--model.quant.history_len 30``,
 ``--model.lr 1e-4``, ``--data.global_batch_size 256``. The extra subcommands (:data:`EXTRA_COMMANDS`) are plain
 argparse programs: ``report`` builds the paper-style results table and figures from run logs
-(:mod:`qat_app.report`), ``export`` writes an 8-bit HiF8 or a plain HF export of a checkpoint
+(:mod:`qat_app.report`), ``export`` writes an 8-bit HiF8, a plain HF or an FP8 serving export of a checkpoint
 (:mod:`qat_app.export`, also ``python -m qat_app.export``), ``inspect`` ranks the quantized layers by the SQNR of
 their HiF8 output against high precision (:mod:`qat_app.inspection`, with ``validate``'s model and data flags).
 
@@ -205,7 +205,7 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 # the other subcommands: name -> (module with ``main(argv, prog=...) -> int | None``, one-line help)
 EXTRA_COMMANDS = {
     "report": ("qat_app.report", "the paper's results table and figures from run logs"),
-    "export": ("qat_app.export", "8-bit HiF8 (or plain HF) export of a QATModule checkpoint"),
+    "export": ("qat_app.export", "8-bit HiF8, plain HF or FP8 (compressed-tensors, vLLM) export of a QATModule checkpoint"),
     "study": ("qat_app.study", "run a study: the initial evaluation, every run of a study file, the reports"),
     "inspect": ("qat_app.inspection", "per quantized layer, HiF8 vs high-precision output SQNR; what to keep in high precision"),
 }

@@ -52,3 +52,43 @@ def byte_level_tokenizer(vocab_size: int = 400):
     corpus = ["Question: Which of these is the answer?\nAnswer: the answer is B.", "The following are multiple choice questions"]
     tokenizer.train_from_iterator(corpus * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def tiny_qat(dtype=torch.bfloat16, steps=2, tie=True, amax_algo="max", seed=0, **quant_kwargs):
+    """A 3-block random Llama, patched (boundary block 0 stays in high precision), scalers with a history."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qat_app.config import QuantConfig, quantize_model
+    from qat_app.hif8.scaling import all_scalers
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=64, tie_word_embeddings=tie,
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    # make activations and weights clip a bit, so codes include the saturated max
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mlp" in name:
+                p.mul_(3.0)
+    quant = QuantConfig(high_precision_layers=1, fused="off", history_len=4, amax_algo=amax_algo, **quant_kwargs)
+    quantize_model(model, quant)
+    model.train()
+    for _ in range(steps):
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 96, (2, 12)))
+        for scaler in all_scalers(model):
+            scaler.advance()
+    model.eval()
+    return model
+
+
+def batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 96, (3, 16), generator=g)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits

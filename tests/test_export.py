@@ -20,46 +20,10 @@ from qat_app.export import (
     load_qat_checkpoint,
     main as export_main,
 )
-from qat_app.config import quantize_model
 from qat_app.hif8.patch import quantized_linears
 from qat_app.hif8.scaling import all_scalers
 
-
-def tiny_qat(dtype=torch.bfloat16, steps=2, tie=True, amax_algo="max", seed=0, **quant_kwargs):
-    """A 3-block random Llama, patched (boundary block 0 stays in high precision), scalers with a history."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=64, tie_word_embeddings=tie,
-    )
-    model = LlamaForCausalLM(config).to(dtype)
-    # make activations and weights clip a bit, so codes include the saturated max
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "mlp" in name:
-                p.mul_(3.0)
-    quant = QuantConfig(high_precision_layers=1, fused="off", history_len=4, amax_algo=amax_algo, **quant_kwargs)
-    quantize_model(model, quant)
-    model.train()
-    for _ in range(steps):
-        with torch.no_grad():
-            model(input_ids=torch.randint(0, 96, (2, 12)))
-        for scaler in all_scalers(model):
-            scaler.advance()
-    model.eval()
-    return model
-
-
-def batch(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 96, (3, 16), generator=g)
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
+from tests._tiny_models import batch, logits, tiny_qat
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent", "current"])

@@ -1,4 +1,4 @@
-"""Export a HiF8 QAT model: a real 8-bit checkpoint, and a plain Hugging Face directory.
+"""Export a HiF8 QAT model: a real 8-bit checkpoint, a plain Hugging Face directory, an FP8 checkpoint for serving.
 
 8-bit HiF8 checkpoint (:func:`export_hif8` / :func:`load_hif8`), one directory::
 
@@ -55,21 +55,29 @@ HF tool. ``weights="master"`` (default) keeps the trained high-precision weights
 ``weights="quantized"`` writes the fake-quantized (8-bit grid) weights instead, i.e. the W8 part of
 the QAT model (activations are not quantized by plain HF code).
 
-Neither export overwrites an existing non-empty directory unless ``overwrite=True``; both write to a
+FP8 serving export (:func:`export_compressed_tensors`, :mod:`.compressed`): a ``compressed-tensors`` checkpoint
+(E4M3 weights with per-channel scales, static input scales from the trained amax histories, the rest in BF16 and
+in the ``ignore`` list) that vLLM serves on NVIDIA GPUs and transformers loads; the trained HiF8 weights are held
+exactly above E4M3's floor, and :mod:`.served` measures what serving changes (KL, perplexity, benchmarks).
+
+No export overwrites an existing non-empty directory unless ``overwrite=True``; both write to a
 temporary sibling directory and rename it into place.
 
 CLI (a Lightning checkpoint of ``QATModule``; ``python main.py export`` is the same)::
 
     python -m qat_app.export --ckpt runs/quickstart/checkpoints/last.ckpt --out exports/qs-hif8
     python -m qat_app.export --ckpt ... --out exports/qs-hf --format hf [--hf-weights quantized]
+    python -m qat_app.export --ckpt ... --out exports/qs-fp8 --format compressed-tensors [--compare --config RUN.yaml]
 
 Modules: :mod:`.layout` (file names, tensor roles, reading and checking a layout), :mod:`.writer`
 (:func:`export_hif8`), :mod:`.reader` (:func:`load_hif8`, :class:`HiF8ExportedLinear`), :mod:`.hf`
-(:func:`export_hf`), :mod:`.common` (what both exports share), :mod:`.qat_checkpoint`
+(:func:`export_hf`), :mod:`.compressed` (:func:`export_compressed_tensors`), :mod:`.served` (the served forward
+against the trained one), :mod:`.common` (what both exports share), :mod:`.qat_checkpoint`
 (:func:`load_qat_checkpoint`), :mod:`.cli` (:func:`main`).
 """
 
 from .cli import main
+from .compressed import export_compressed_tensors
 from .hf import export_hf
 from .layout import (HF_EXPORT_INFO, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE,
                      ROLE_OTHER, ROLE_SCALE, ROLE_SCALER, SCALER_NAMES, WEIGHTS_FILE, ExportError, checkpoint_bytes,
@@ -81,6 +89,6 @@ from .writer import export_hif8, quantize_experts_param, quantize_weight
 __all__ = [
     "HF_EXPORT_INFO", "LAYOUT_FILE", "LAYOUT_FORMAT", "LAYOUT_VERSION", "ROLE_BUFFER", "ROLE_CODES", "ROLE_DENSE",
     "ROLE_OTHER", "ROLE_SCALE", "ROLE_SCALER", "SCALER_NAMES", "WEIGHTS_FILE", "ExportError", "HiF8ExportedLinear",
-    "checkpoint_bytes", "export_hf", "export_hif8", "load_hif8", "load_qat_checkpoint", "main", "quantize_experts_param", "quantize_weight",
+    "checkpoint_bytes", "export_compressed_tensors", "export_hf", "export_hif8", "load_hif8", "load_qat_checkpoint", "main", "quantize_experts_param", "quantize_weight",
     "read_layout",
 ]

@@ -1,4 +1,8 @@
-"""``python main.py export ...`` / ``python -m qat_app.export ...``: a QATModule checkpoint -> an export."""
+"""``python main.py export ...`` / ``python -m qat_app.export ...``: a QATModule checkpoint -> an export.
+
+``--format compressed-tensors --compare --config RUN.yaml`` also measures what serving changes
+(:mod:`.served`): every flag it does not know (``--config``, ``--data.*``, ``--model.*``) goes to the LightningCLI
+parser of ``main.py validate``, which builds the run's data: its held-out text and its benchmarks."""
 
 from __future__ import annotations
 
@@ -8,10 +12,13 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
+
 from ..errors import QATError
 from ..hif8.inventory import INVENTORY_FILE, inventory_summary
+from .compressed import FORMAT_NAME, export_compressed_tensors, summary_line
 from .hf import export_hf
-from .layout import checkpoint_bytes
+from .layout import ExportError, checkpoint_bytes
 from .qat_checkpoint import load_qat_checkpoint
 from .writer import export_hif8
 
@@ -20,19 +27,35 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
     """CLI; returns the exit status (2, with one ``error: ...`` line, for bad input)."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Export a QATModule Lightning checkpoint as an 8-bit HiF8 checkpoint or a plain HF directory.",
+        description="Export a QATModule Lightning checkpoint as an 8-bit HiF8 checkpoint, a plain HF directory, or an "
+                    "FP8 compressed-tensors checkpoint for vLLM.",
     )
     parser.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt) of a QATModule")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --overwrite)")
-    parser.add_argument("--format", choices=("hif8", "hf"), default="hif8")
+    parser.add_argument("--format", choices=("hif8", "hf", FORMAT_NAME), default="hif8",
+                        help="hif8: the 8-bit HiF8 checkpoint (exact reloads); hf: plain Hugging Face; "
+                             f"{FORMAT_NAME}: FP8 E4M3 for vLLM / transformers")
     parser.add_argument("--dtype", default=None,
-                        help="hif8: storage dtype of the unquantized tensors (default bfloat16); hf: parameter dtype (default unchanged)")
+                        help="hif8 / compressed-tensors: dtype of the unquantized tensors (default bfloat16); hf: parameter "
+                             "dtype (default unchanged)")
     parser.add_argument("--compute-dtype", default=None,
                         help="dtype the quantized linears ran in (default: the weights'; bfloat16 for bf16-mixed training)")
     parser.add_argument("--hf-weights", choices=("master", "quantized"), default="master",
                         help="hf: trained high-precision weights, or the fake-quantized 8-bit-grid weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
-    args = parser.parse_args(argv)
+    parser.add_argument("--compare", action="store_true",
+                        help=f"{FORMAT_NAME}: emulate the served forward on the CPU and compare it with the QAT model on "
+                             "the run's held-out text and benchmarks (give the run's --config; other LightningCLI "
+                             "flags such as --data.* pass through)")
+    parser.add_argument("--compare-batches", type=int, default=8, metavar="N",
+                        help="--compare: batches of held-out text (default 8)")
+    args, lightning_args = parser.parse_known_args(argv)
+    if lightning_args and not args.compare:
+        parser.error(f"unrecognized arguments: {' '.join(lightning_args)} (LightningCLI flags are read with --compare)")
+    if args.compare and args.format != FORMAT_NAME:
+        parser.error(f"--compare: only with --format {FORMAT_NAME}")
+    if args.compare_batches < 1:
+        parser.error(f"--compare-batches: must be >= 1, got {args.compare_batches}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         from qat_app.models import resolve_dtype
@@ -48,10 +71,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                                  overwrite=args.overwrite)
             print(f"wrote {args.out}: {len(layout['quantized_layers'])} HiF8 layers, "
                   f"{layout['weights_file_bytes'] / 2**20:.1f} MiB ({layout['bytes']['codes'] / 2**20:.1f} MiB of codes)")
-        else:
+        elif args.format == "hf":
             export_hf(module, args.out, weights=args.hf_weights, dtype=args.dtype, compute_dtype=args.compute_dtype,
                       overwrite=args.overwrite)
             print(f"wrote {args.out}: {checkpoint_bytes(args.out) / 2**20:.1f} MiB")
+        else:
+            datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
+            report = export_compressed_tensors(module, args.out, dtype=args.dtype or "bfloat16",
+                                               compute_dtype=args.compute_dtype, overwrite=args.overwrite)
+            print(summary_line(args.out, report))
+            if datamodule is not None:
+                _compare(module, args.out, datamodule, args.compare_batches)
         inventory = Path(args.out) / INVENTORY_FILE
         if inventory.is_file():
             print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
@@ -59,3 +89,41 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _datamodule(lightning_args: list[str]):
+    """The run's datamodule, as ``main.py validate`` builds it from ``lightning_args`` (``--config`` ...)."""
+    import warnings
+
+    from .. import preflight
+    from ..cli import QATCLI, cli_kwargs
+
+    if not any(arg == "--config" or arg.startswith("--config=") for arg in lightning_args):
+        raise ExportError("--compare: give the run's --config FILE (its data section holds the held-out text and the "
+                          "benchmarks to compare on)")
+
+    class DataCLI(QATCLI):
+        def before_validate(self) -> None:
+            preflight.check_data(self.datamodule, 1)
+
+        def validate(self, model, datamodule=None, **_) -> None:
+            self.captured = datamodule
+
+    with warnings.catch_warnings():  # the args are ours, built from the command line
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return DataCLI(**cli_kwargs(), args=["validate", *lightning_args], run=True).captured
+
+
+def _compare(module, out_dir: str, datamodule, batches: int) -> None:
+    from ..inspection import text_batches
+    from .served import compare_served, load_served, render, write_comparison
+
+    benchmarks = getattr(datamodule, "benchmarks", None) if hasattr(datamodule, "make_val_dataloader") else datamodule
+    blocks, what = text_batches(datamodule, "auto", batches) if hasattr(datamodule, "make_val_dataloader") else (None, "")
+    served = load_served(out_dir, dtype=torch.float32, trust_remote_code=bool(module.hparams.get("trust_remote_code")))
+    comparison = compare_served(module.model, served, blocks, benchmarks, text_what=what)
+    comparison.notes.append("emulated on the CPU: the served side is the export loaded by transformers "
+                            "(compressed-tensors: E4M3 inputs at the static scales, E4M3 weights); vLLM's BF16 "
+                            "activations and FP8 tensor-core accumulation are not reproduced")
+    print(render(comparison))
+    print("wrote " + ", ".join(write_comparison(comparison, out_dir)))

@@ -50,23 +50,7 @@ def export_hf(
     cdtype = resolve_dtype(compute_dtype) if compute_dtype is not None else None
     layers = quantized_linears(plain)
     if weights == "quantized":
-        with torch.no_grad():
-            for _, layer in layers:
-                if not hasattr(layer, "weight"):  # an MoE expert's projection: done with its experts module below
-                    continue
-                if layer.quantize_weights:
-                    codes, scale, _ = quantize_weight(layer, cdtype or layer.weight.dtype)
-                    layer.weight.copy_(dequantize_codes(codes, scale, layer.recipe.format, layer.weight.dtype))
-            for module in plain.modules():
-                if not isinstance(module, HiF8Experts):
-                    continue
-                for param, proj_name in EXPERT_PARAMS:
-                    weight = getattr(module, param)
-                    if not all(proj.quantize_weights for proj in getattr(module, proj_name)):
-                        continue
-                    codes, scales, _ = quantize_experts_param(module, param, cdtype or weight.dtype)
-                    for e in range(weight.shape[0]):
-                        weight[e].copy_(dequantize_codes(codes[e], scales[e], module.gate_up[0].recipe.format, weight.dtype))
+        set_quantized_weights(plain, cdtype)
     count = dequantize_model(plain)
     if dtype is not None:
         plain.to(resolve_dtype(dtype))
@@ -85,3 +69,26 @@ def export_hf(
         }, indent=1))
     log.info("HF export: %d HiF8 linears replaced by plain ones (%s weights) in %s", count, weights, out_dir)
     return Path(out_dir)
+
+
+@torch.no_grad()
+def set_quantized_weights(model, compute_dtype: torch.dtype | None = None) -> None:
+    """Every weight the QAT forward pass quantizes (``quantize_weights`` on) replaced, in place, by its fake-quantized
+    value ``decode(codes) / scale``: the weights the forward pass used (a fallen-back or switched-off weight keeps
+    its master value, as the forward does)."""
+    for _, layer in quantized_linears(model):
+        if not hasattr(layer, "weight"):  # an MoE expert's projection: done with its experts module below
+            continue
+        if layer.quantize_weights:
+            codes, scale, _ = quantize_weight(layer, compute_dtype or layer.weight.dtype)
+            layer.weight.copy_(dequantize_codes(codes, scale, layer.recipe.format, layer.weight.dtype))
+    for module in model.modules():
+        if not isinstance(module, HiF8Experts):
+            continue
+        for param, proj_name in EXPERT_PARAMS:
+            weight = getattr(module, param)
+            if not all(proj.quantize_weights for proj in getattr(module, proj_name)):
+                continue
+            codes, scales, _ = quantize_experts_param(module, param, compute_dtype or weight.dtype)
+            for e in range(weight.shape[0]):
+                weight[e].copy_(dequantize_codes(codes[e], scales[e], module.gate_up[0].recipe.format, weight.dtype))

@@ -91,7 +91,7 @@ class _Tensors:
         }
 
 
-def _why_dense(layer) -> str:
+def why_dense(layer) -> str:
     """Why a quantized matmul's weight is not stored as codes: it fell back to high precision, or its switch is off."""
     record = layer.fallback.get("weight")
     if record is not None and record["target"] == "high_precision":
@@ -112,7 +112,7 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
         "has_history": {s: scaler.has_history for s, scaler in layer.named_scalers()},
     }
     if not layer.quantize_weights:
-        log.warning("%s: %s: stored in %s", name, _why_dense(layer), storage_dtype)
+        log.warning("%s: %s: stored in %s", name, why_dense(layer), storage_dtype)
         lossless = out.add_stored(f"{name}.weight", layer.weight, storage_dtype)
         record.update(weight="dense")
         return record, lossless
@@ -155,7 +155,7 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
         switches = {bool(proj.quantize_weights) for proj in projections}
         if switches != {True}:
             off = next(proj for proj in projections if not proj.quantize_weights)
-            log.warning("%s.%s: for some experts, %s: stored in %s", name, param, _why_dense(off), storage_dtype)
+            log.warning("%s.%s: for some experts, %s: stored in %s", name, param, why_dense(off), storage_dtype)
             lossless &= out.add_stored(f"{name}.{param}", weight, storage_dtype)
             entry["weight"] = "dense"
         else:

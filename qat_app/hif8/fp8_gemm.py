@@ -65,15 +65,31 @@ def _pad(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, cols, 0, rows)) if rows or cols else x
 
 
+def grid_to_e4m3(values: torch.Tensor, max_val: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid values (``|v| <= max_val``) times :func:`shift_for` ``(max_val)`` -> (the nearest E4M3 values, ties to
+    even as every FP8 cast rounds; where they are exact). Exact for every value of magnitude >= 2^-12 of a HiF8
+    range of 15; below that (the tail) E4M3 rounds."""
+    shifted = values.float() * shift_for(max_val)
+    e4m3 = shifted.to(E4M3)
+    return e4m3, e4m3.float() == shifted
+
+
+def e4m3_decode_scale(scale: torch.Tensor, max_val: float) -> torch.Tensor:
+    """The float32 factor that turns :func:`grid_to_e4m3`'s values back into ``grid value / scale``:
+    ``1 / (scale x shift)``, computed in float64 and rounded once (exact when ``scale`` is a power of two)."""
+    return torch.reciprocal(scale.double() * shift_for(max_val)).float()
+
+
 def e4m3_parts(values: torch.Tensor, scale: torch.Tensor, max_val: float, tail: str
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Grid values ``[rows, K]`` -> ``[(E4M3 tensor, decode scale)]``: the main part, and the tail (``exact``).
 
     Each E4M3 tensor is padded to multiples of 16 and row-major; value x decode scale is the grid value / s."""
     shift = shift_for(max_val)
-    shifted = _pad(values.float() * shift)
-    exact = shifted.to(E4M3).float() == shifted
-    main_scale = torch.reciprocal(scale.double().reshape(()) * shift).float()
+    padded = _pad(values.float())
+    _, exact = grid_to_e4m3(padded, max_val)
+    shifted = padded * shift
+    main_scale = e4m3_decode_scale(scale.reshape(()), max_val)
     parts = [(torch.where(exact, shifted, 0.0).to(E4M3), main_scale)]
     if tail == TAIL_EXACT:
         tail_scale = torch.reciprocal(scale.double().reshape(()) * shift * TAIL_SHIFT).float()

@@ -1,0 +1,393 @@
+"""The FP8 serving export: a ``compressed-tensors`` checkpoint that vLLM and transformers load, holding the trained
+HiF8 weights exactly (:func:`export_compressed_tensors`).
+
+There is no HiF8 checkpoint format an inference engine reads; FP8 E4M3 checkpoints in the ``compressed-tensors``
+format (the one llm-compressor writes) are served by vLLM on NVIDIA GPUs (sm89 and later) and loaded by
+transformers through its compressed-tensors integration. HiF8 maps onto E4M3 without a second rounding:
+
+* a weight the QAT forward quantized with scale ``s`` holds grid values ``v`` (``|v| <= max_val``); ``16 v`` (16:
+  :func:`~qat_app.hif8.fp8_gemm.shift_for` of 15, a power of two) is an E4M3 value for every ``|v| >= 2^-12``
+  (HiF8's denormals and 1-bit tier below that are rounded, ties to even: the *floor*; counted per tensor, with the
+  largest error), and ``weight_scale = 1 / (16 s)`` turns it back into ``v / s``. Rounding ``1 / (16 s)`` to
+  float32 is the only other difference (none when ``s`` is a power of two: ``model.quant.power_2_scales``);
+* weight scales are written per output channel (``[out, 1]``, every row its tensor's scale), because vLLM fuses
+  gate/up (and q/k/v) into one GEMM and re-quantizes per-tensor weights of a fused group to the group's largest
+  scale, which would re-round the HiF8 values; per-channel scales keep each row's own;
+* activations: a static per-tensor ``input_scale = a_hat / (15 x 16)`` from the trained delayed scale (the
+  scale the QAT model's eval forward uses), so every HiF8 grid point in range is an E4M3 value; serving clips at
+  448 (28 a_hat / 15 of the input, where training clipped at a_hat) and rounds ties to even (HiF8: away from
+  zero), so the served model is close to, not equal to, the trained one (:mod:`.served` measures how close).
+  An input scaled by current scaling (CTS, or a fallback to it) is written with dynamic per-tensor scales
+  (vLLM's ``amax / 448``); an input left unquantized (switched off, fallen back to high precision) gives a
+  weight-only (W8A16) group.
+
+Everything else stays in ``dtype`` (BF16) and is named in the ``ignore`` list (vLLM needs every linear layer
+either matched by a group or ignored): attention, embeddings, ``lm_head``, the boundary blocks' MLPs, weights that
+fell back to high precision, GPT-2 style ``Conv1D`` layers (the format quantizes ``nn.Linear``), and a layer whose
+vLLM-fused partners do not share its scheme (vLLM refuses mixed schemes in one fused GEMM). MoE experts stay in
+BF16 too: transformers 5 stores them as fused ``[E, 2I, H]`` parameters, which neither compressed-tensors'
+compressors nor vLLM's fused-MoE loader (per-expert ``experts.N.gate_proj`` checkpoint names) read as FP8. Every
+ignored weight holds the value the QAT forward used (fake-quantized when its weight was quantized, rounded to
+``dtype``).
+
+The export checks itself before it is renamed into place: every written FP8 weight, read back from the file and
+dequantized by compressed-tensors' own ``dequantize``, equals the QAT model's fake-quantized weight above the floor
+within one float32 rounding of the scale (bit for bit when the scale is a power of two). ``fp8_export.json``
+holds the per-tensor figures (elements below the floor and their largest error, the weight and activation
+scales, the scheme), what is ignored and why, and the sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..hif8.experts import HiF8Experts
+from ..hif8.fake_quant import dequantize_codes
+from ..hif8.fp8_gemm import E4M3_MAX, e4m3_decode_scale, grid_to_e4m3, shift_for
+from ..hif8.linear import HiF8Linear
+from ..hif8.patch import dequantize_model, quantized_linears
+from ..models import resolve_dtype
+from .common import StagingDir, save_inventory, unwrap
+from .hf import set_quantized_weights
+from .layout import ExportError, checkpoint_bytes, dtype_name
+from .writer import quantize_weight, why_dense
+
+log = logging.getLogger("qat_app.export")
+
+REPORT_FILE = "fp8_export.json"
+REPORT_FORMAT = "qat_app/fp8-compressed-tensors"
+FORMAT_NAME = "compressed-tensors"
+SERVABLE_FORMATS = ("hif8", "e4m3")  # formats whose grid maps onto E4M3 by a power of two
+# vLLM fuses these siblings into one GEMM (its packed_modules_mapping): they must share one scheme
+FUSED_SHARDS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"))
+STATIC, DYNAMIC, WEIGHT_ONLY = "w8a8_static", "w8a8_dynamic", "w8a16"
+EXPERTS_WHY = ("transformers 5 stores them fused ([E, 2I, H]); compressed-tensors has no FP8 compressor for that "
+               "layout and vLLM's fused-MoE loader reads per-expert names")
+# one float32 rounding of the scale, one of the product, one of the QAT reference: < 2^-22 relative
+DEQUANT_TOLERANCE = 2.0**-22
+
+
+def _args(dynamic: bool | None, strategy: str):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=dynamic)
+
+
+def weight_args():
+    """E4M3 weights, one scale per output channel (each row carries its tensor's HiF8 scale)."""
+    return _args(False, "channel")
+
+
+def activation_args(scheme: str):
+    """The input activations of a scheme: static or dynamic per-tensor E4M3; None for weight-only."""
+    return {STATIC: _args(False, "tensor"), DYNAMIC: _args(True, "tensor"), WEIGHT_ONLY: None}[scheme]
+
+
+def _scheme_of(name: str, layer: HiF8Linear) -> tuple[str | None, str]:
+    """(scheme, why) of one quantized linear; scheme None: kept in high precision (ignored), for ``why``."""
+    if layer.source_type != "linear":
+        return None, f"a {layer.source_type} layer: the compressed-tensors format quantizes nn.Linear"
+    if not layer.quantize_weights:
+        return None, why_dense(layer)
+    if not layer.quantize_activations:
+        record = layer.fallback.get("input")
+        why = (f"its input fell back to high precision at step {record.get('step')}" if record
+               else "input quantization is off")
+        return WEIGHT_ONLY, f"{why}: FP8 weights, BF16 activations"
+    scaler = layer.input_scaler
+    if scaler.algo == "current":
+        return DYNAMIC, "its input is scaled by current scaling: dynamic per-tensor activation scales"
+    if not scaler.has_history:
+        raise ExportError(
+            f"{name}: its input scaler has no amax history (steps_recorded 0): there is no trained activation scale "
+            "to export; export a checkpoint saved after the first QAT step (--ckpt)")
+    return STATIC, "static activation scale from the trained amax history"
+
+
+def _fused_siblings(name: str) -> list[str]:
+    parent, _, leaf = name.rpartition(".")
+    for group in FUSED_SHARDS:
+        if leaf in group:
+            return [f"{parent}.{shard}" for shard in group]
+    return [name]
+
+
+def plan_layers(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """-> ({layer: scheme} of the layers written in FP8, {layer: why} of the quantized ones kept in high precision).
+
+    Refuses (:class:`ExportError`, naming the setting) a format that does not map onto E4M3 and a static input
+    without history."""
+    layers = {name: layer for name, layer in quantized_linears(model) if isinstance(layer, HiF8Linear)}
+    for name, layer in layers.items():
+        if layer.recipe.format not in SERVABLE_FORMATS:
+            raise ExportError(f"model.quant.format {layer.recipe.format!r} (layer {name}): the FP8 serving export "
+                              f"needs a format whose values are E4M3 values up to a power of two: "
+                              f"{', '.join(SERVABLE_FORMATS)}")
+    schemes, ignored = {}, {}
+    for name, layer in layers.items():
+        scheme, why = _scheme_of(name, layer)
+        if scheme is None:
+            ignored[name] = why
+        else:
+            schemes[name] = scheme
+    modules = dict(model.named_modules())
+    for name in list(schemes):
+        siblings = [s for s in _fused_siblings(name) if s in modules]
+        kinds = {s: schemes.get(s) for s in siblings}
+        if len(set(kinds.values())) > 1:
+            detail = ", ".join(f"{s.rpartition('.')[2]}: {k or 'high precision'}" for s, k in kinds.items())
+            for sibling in siblings:
+                if schemes.pop(sibling, None) is not None:
+                    ignored[sibling] = (f"vLLM fuses {'/'.join(s.rpartition('.')[2] for s in siblings)} into one GEMM "
+                                        f"with one scheme, and they differ ({detail})")
+    return schemes, ignored
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def quantization_config(schemes: dict[str, str], ignore: list[str]):
+    """The checkpoint's ``quantization_config``, built and validated by compressed-tensors' own models."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    groups = {}
+    for kind in (STATIC, DYNAMIC, WEIGHT_ONLY):
+        targets = sorted(name for name, scheme in schemes.items() if scheme == kind)
+        if targets:
+            groups[f"group_{len(groups)}"] = QuantizationScheme(targets=targets, weights=weight_args(),
+                                                                input_activations=activation_args(kind))
+    config = QuantizationConfig(config_groups=groups, format="float-quantized", quantization_status="compressed",
+                                ignore=sorted(ignore))
+    return QuantizationConfig.model_validate(config.model_dump())  # what a reader parses back
+
+
+def _input_scale(layer: HiF8Linear) -> torch.Tensor:
+    return e4m3_decode_scale(layer.input_scaler.scale.detach().float().reshape(()), layer.input_scaler.max_val).reshape(1)
+
+
+def _fp8_weight(name: str, layer: HiF8Linear, compute_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """One linear's E4M3 weight and per-channel scale (+ the reference and figures for the report and the check)."""
+    fmt, max_val = layer.format, layer.weight_scaler.max_val
+    codes, scale, _ = quantize_weight(layer, compute_dtype)
+    grid = fmt.decode(codes).float()
+    e4m3, exact = grid_to_e4m3(grid, max_val)
+    decode_scale = e4m3_decode_scale(scale, max_val)
+    shift = shift_for(max_val)
+    error = (e4m3.float() - grid * shift).abs() * decode_scale  # in weight units; zero above the floor
+    below = int((~exact).sum())
+    record = {
+        "elements": grid.numel(),
+        "below_floor": below,
+        "max_error_below_floor": float(error.max()) if below else 0.0,
+        "max_error_relative_to_range": float(error.max() * scale / max_val) if below else 0.0,
+        "hif8_weight_scale": float(scale),
+        "weight_scale": float(decode_scale),
+    }
+    tensors = {
+        f"{name}.weight": e4m3.cpu(),
+        f"{name}.weight_scale": decode_scale.reshape(1, 1).expand(e4m3.shape[0], 1).contiguous().cpu(),
+    }
+    reference = dequantize_codes(codes, scale, fmt, torch.float32).cpu()
+    return tensors, {"record": record, "exact": exact.cpu(), "reference": reference}
+
+
+def _equalize_fused_inputs(schemes: dict[str, str], tensors: dict[str, torch.Tensor], records: dict) -> list[dict]:
+    """vLLM serves a fused group's static input with the largest of its shards' scales: write that one to each
+    (gate and up see the same input, so their scales normally agree already)."""
+    changed, seen = [], set()
+    for name, scheme in schemes.items():
+        siblings = [s for s in _fused_siblings(name) if s in schemes]
+        if scheme != STATIC or len(siblings) < 2 or siblings[0] in seen:
+            continue
+        seen.add(siblings[0])
+        scales = {s: tensors[f"{s}.input_scale"] for s in siblings}
+        largest = torch.stack(list(scales.values())).amax(0)
+        if any(not torch.equal(v, largest) for v in scales.values()):
+            changed.append({"layers": siblings, "input_scales": {s: float(v) for s, v in scales.items()},
+                            "served": float(largest)})
+            for s in siblings:
+                tensors[f"{s}.input_scale"] = largest.clone()
+                records[s]["input"]["input_scale"] = float(largest)
+    return changed
+
+
+def _check_written(out_dir: Path, config, checks: dict[str, dict]) -> dict[str, dict]:
+    """Read the written weights back and dequantize them with compressed-tensors: above the floor they must equal
+    the QAT model's fake-quantized weights within :data:`DEQUANT_TOLERANCE` -> per layer, what was measured."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors import safe_open
+
+    files = sorted(out_dir.glob("*.safetensors"))
+    where = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            where.update({key: path for key in f.keys()})
+    args = weight_args()
+    measured = {}
+    for name, check in checks.items():
+        keys = (f"{name}.weight", f"{name}.weight_scale")
+        missing = [k for k in keys if k not in where]
+        if missing:
+            raise ExportError(f"{out_dir}: the written checkpoint lacks {missing} (self-check)")
+        loaded = {}
+        for key in keys:
+            with safe_open(str(where[key]), "pt") as f:
+                loaded[key] = f.get_tensor(key)
+        served = dequantize(loaded[keys[0]], loaded[keys[1]], args=args, dtype=torch.float32)
+        reference, exact = check["reference"], check["exact"]
+        diff = (served - reference).abs()[exact]
+        relative = diff / reference.abs()[exact].clamp_min(torch.finfo(torch.float32).tiny)
+        worst = float(relative.max()) if relative.numel() else 0.0
+        if not worst <= DEQUANT_TOLERANCE:
+            raise ExportError(f"{name}: the written FP8 weight dequantizes to {worst:.3g} relative of the QAT weight "
+                              f"above the floor (allowed {DEQUANT_TOLERANCE:.3g}): export refused")
+        measured[name] = {"dequantized_max_relative_difference": worst,
+                          "bitwise_equal_above_floor": bool(torch.equal(served[exact], reference[exact]))}
+    return measured
+
+
+def _bf16_bytes(model: nn.Module) -> int:
+    """What the model's parameters take in BF16 (shared tensors once): the size a BF16 ``save_pretrained`` writes."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * 2
+    return total
+
+
+def export_compressed_tensors(
+    module_or_model,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    compute_dtype: str | torch.dtype | None = None,
+    tokenizer=None,
+    overwrite: bool = False,
+) -> dict:
+    """Save a HiF8 QAT model (QATModule or patched HF model) as an FP8 compressed-tensors checkpoint; returns the
+    report (also written as ``fp8_export.json``).
+
+    Args:
+        dtype: dtype of everything kept in high precision (BF16, what vLLM serves with; ``"float32"`` keeps an
+            fp32 model's other weights exactly, for measuring the FP8 part alone).
+        compute_dtype: the dtype the QAT forward ran the quantized linears in (as :func:`export_hif8`).
+        overwrite: replace an earlier export of this kind (never a run directory or another export).
+    """
+    model, module_tokenizer, info = unwrap(module_or_model)
+    tokenizer = tokenizer if tokenizer is not None else module_tokenizer
+    storage_dtype = resolve_dtype(dtype, field="--dtype")
+    cdtype = resolve_dtype(compute_dtype, field="--compute-dtype") if compute_dtype is not None else None
+    if not quantized_linears(model):
+        raise ExportError(f"{type(model).__name__} has no HiF8 layer (model.quant.enabled=false?): nothing to serve "
+                          "in FP8; use --format hf")
+    schemes, ignored = plan_layers(model)
+    experts = [name for name, m in model.named_modules() if isinstance(m, HiF8Experts)]
+    if not schemes and experts:
+        raise ExportError(f"the only quantized modules are MoE experts ({experts[0]} ...), which this format cannot hold in "
+                          f"FP8 ({EXPERTS_WHY}); use --format hif8 for their 8-bit weights")
+    if not schemes:
+        raise ExportError("no layer's weight is quantized in this checkpoint (saved inside the BF16 warmup?), so "
+                          f"there is nothing to write in FP8: {next(iter(ignored.values()), '')}")
+    staging = StagingDir(out_dir, overwrite, REPORT_FILE)  # refuse an existing run / export before any work
+
+    modules = dict(model.named_modules())
+    tensors: dict[str, torch.Tensor] = {}
+    records: dict[str, dict] = {}
+    checks: dict[str, dict] = {}
+    for name, scheme in schemes.items():
+        layer = modules[name]
+        written, check = _fp8_weight(name, layer, cdtype or layer.weight.dtype)
+        tensors.update(written)
+        checks[name] = check
+        records[name] = {"scheme": scheme, **check["record"]}
+        if scheme == STATIC:
+            scaler = layer.input_scaler
+            tensors[f"{name}.input_scale"] = _input_scale(layer)
+            records[name]["input"] = {
+                "a_hat": float(scaler.a_hat), "hif8_scale": float(scaler.scale),
+                "input_scale": float(tensors[f"{name}.input_scale"]),
+                "trained_clip": float(scaler.max_val / scaler.scale),  # |x| HiF8 clipped at
+                "served_clip": float(E4M3_MAX * tensors[f"{name}.input_scale"]),  # |x| E4M3 clips at
+            }
+    equalized = _equalize_fused_inputs(schemes, tensors, records)
+
+    plain = copy.deepcopy(model)
+    set_quantized_weights(plain, cdtype)  # every other weight as the QAT forward used it
+    dequantize_model(plain)
+    plain.to(storage_dtype).eval()
+    for name in experts:
+        ignored[name] = f"MoE experts: {EXPERTS_WHY}"
+    ignore = sorted(set(_linear_names(plain)) - set(schemes)) + experts
+    config = quantization_config(schemes, ignore)
+    state = dict(plain.state_dict())
+    state.update(tensors)
+    plain.config.quantization_config = config.model_dump(mode="json")
+
+    with staging as tmp:
+        plain.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        save_inventory(module_or_model, tmp)
+        measured = _check_written(tmp, config, checks)
+        for name, values in measured.items():
+            records[name].update(values)
+        report = {
+            "format": REPORT_FORMAT,
+            "version": 1,
+            "exported_by": "qat_app.export.export_compressed_tensors",
+            "source": info.get("model_name"),
+            "hif8_format": next(iter(modules[n] for n in schemes)).recipe.format,
+            "storage_dtype": dtype_name(storage_dtype),
+            "floor": "E4M3 rounds the grid values below 2^-12 x 16 of a range of 15 (HiF8's denormals and the 1-bit "
+                     "tier under them); every value above is written exactly",
+            "dequantized_tolerance": DEQUANT_TOLERANCE,
+            "layers": records,
+            "ignored": dict(sorted(ignored.items())),
+            "fused_input_scales_equalized": equalized,
+            "totals": {
+                "fp8_layers": len(schemes),
+                "fp8_elements": sum(r["elements"] for r in records.values()),
+                "below_floor": sum(r["below_floor"] for r in records.values()),
+                "max_error_below_floor": max((r["max_error_below_floor"] for r in records.values()), default=0.0),
+                "schemes": {kind: sum(1 for s in schemes.values() if s == kind) for kind in (STATIC, DYNAMIC, WEIGHT_ONLY)},
+            },
+            "bytes": {"weights": checkpoint_bytes(tmp), "bf16_weights": _bf16_bytes(plain)},
+        }
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+    log.info("FP8 export: %d linears in E4M3 (%d elements below the floor), %d kept in %s, in %s", len(schemes),
+             report["totals"]["below_floor"], len(ignore), dtype_name(storage_dtype), out_dir)
+    return report
+
+
+def summary_line(out_dir: str | os.PathLike, report: dict) -> str:
+    """One line of what an FP8 export holds (the CLI prints it)."""
+    totals, size = report["totals"], report["bytes"]
+    kinds = ", ".join(f"{count} {kind}" for kind, count in totals["schemes"].items() if count)
+    return (f"wrote {out_dir}: {totals['fp8_layers']} linears in FP8 E4M3 ({kinds}), {len(report['ignored'])} quantized "
+            f"modules kept in {report['storage_dtype']}; {size['weights'] / 2**20:.1f} MiB vs {size['bf16_weights'] / 2**20:.1f} "
+            f"MiB in BF16 ({size['weights'] / size['bf16_weights']:.3f}x); {totals['below_floor']} of {totals['fp8_elements']} "
+            f"weights below the E4M3 floor (largest error {totals['max_error_below_floor']:.3g})")
+
+
+def read_report(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """``fp8_export.json`` of an FP8 export directory (:class:`ExportError` / FileNotFoundError naming the file)."""
+    path = Path(out_dir) / REPORT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; {out_dir} is not an FP8 export (--format {FORMAT_NAME})")
+    try:
+        report = json.loads(path.read_text())
+    except ValueError as err:
+        raise ExportError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(report, dict) or report.get("format") != REPORT_FORMAT:
+        raise ExportError(f"{path}: not an FP8 export report")
+    return report
