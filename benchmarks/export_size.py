@@ -1,4 +1,5 @@
-"""Size of the 8-bit HiF8 checkpoint vs a BF16 safetensors checkpoint of the same model, and exact reload.
+"""Size of the 8-bit HiF8 checkpoint (and of the FP8 serving export) vs a BF16 safetensors checkpoint of the same
+model, and exact reload.
 
 Loads a model (default: the embedded quickstart model), patches it with the quickstart's QuantConfig
 (HiF8, max-window DTS, history 8, max_val 15, 5 high-precision boundary blocks), runs a few training-
@@ -7,6 +8,8 @@ mode forwards + ``advance()`` so every scaler has a history, then writes
   * a BF16 checkpoint: ``export_hf(..., dtype=bfloat16)`` (plain HF ``save_pretrained``),
   * the HiF8 checkpoint: ``export_hif8`` (uint8 codes + scalar scales for the quantized MLP weights,
     the rest in BF16),
+  * the FP8 serving export: ``export_compressed_tensors`` (E4M3 weights + per-channel fp32 scales + input
+    scales, the rest in BF16),
 
 prints both sizes and the breakdown, reloads the HiF8 checkpoint with ``load_hif8`` and checks that
 its logits equal the QAT model's on a batch (``torch.equal``). The QAT model runs in ``--dtype``
@@ -27,7 +30,7 @@ import time
 import torch
 
 from qat_app.config import QuantConfig
-from qat_app.export import checkpoint_bytes, export_hf, export_hif8, load_hif8
+from qat_app.export import checkpoint_bytes, export_compressed_tensors, export_hf, export_hif8, load_hif8
 from qat_app.models import EMBEDDED_MODEL, load_causal_lm
 from qat_app.config import quantize_model
 from qat_app.hif8.scaling import all_scalers
@@ -88,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  unquantized tensors in BF16:       {mib(b['dense'])}")
         print(f"  amax-scaler state (fp32/int64):    {b['scaler_state'] / 1024:8.1f} KiB")
         print(f"  safetensors header:                {hif8_bytes - sum(b.values())} bytes")
+
+        fp8_dir = os.path.join(root, "fp8")
+        fp8 = export_compressed_tensors(model, fp8_dir, dtype="bfloat16", tokenizer=tokenizer, overwrite=True)
+        fp8_bytes = checkpoint_bytes(fp8_dir)
+        print(f"FP8 export (compressed-tensors):     {mib(fp8_bytes)}  ({fp8_bytes} bytes)  "
+              f"= {fp8_bytes / bf16_bytes:.3f} x BF16 (per-channel scales: 4 bytes per output row); "
+              f"{fp8['totals']['below_floor']} of {fp8['totals']['fp8_elements']} weights below the E4M3 floor")
 
         t1 = time.perf_counter()
         loaded = load_hif8(hif8_dir)

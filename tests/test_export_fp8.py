@@ -100,6 +100,12 @@ def test_export_validates_and_loads_with_transformers_giving_the_qat_weights(tmp
     assert matched == fp8
     linears = {n for n, m in served.named_modules() if isinstance(m, torch.nn.Linear)}
     assert linears == fp8 | (set(parsed.ignore) & linears)
+    # vLLM's fused GEMMs (gate_up_proj, qkv_proj) need one scheme for all their shards: all FP8 or all ignored
+    for block in range(3):
+        for parent, shards in (("mlp", ("gate_proj", "up_proj")), ("self_attn", ("q_proj", "k_proj", "v_proj"))):
+            names = [f"model.layers.{block}.{parent}.{shard}" for shard in shards]
+            states = {"fp8" if n in fp8 else "ignored" if n in parsed.ignore else "unmatched" for n in names}
+            assert len(states) == 1 and "unmatched" not in states
     qat = dict(quantized_linears(model))
     for name in fp8:
         layer = qat[name]
@@ -308,3 +314,21 @@ def test_moe_experts_stay_in_bf16_and_the_dense_mlps_go_fp8(tmp_path):
     _, _, expected = quantize_experts_param(module, "down_proj")
     assert torch.equal(served.get_submodule(experts[0]).down_proj, expected)
     assert experts[0] in json.loads((tmp_path / "qwen2" / "config.json").read_text())["quantization_config"]["ignore"]
+
+
+def test_the_yardstick_leaves_the_qat_model_as_it_was():
+    from qat_app.export.served import compare_on_text, unquantized
+
+    model = tiny_qat(dtype=torch.float32)
+    layers = dict(quantized_linears(model))
+    layers["model.layers.1.mlp.down_proj"].fall_back("input", "current", step=3, reason="test")
+    before = logits(model, batch())
+    states = {name: layer.get_extra_state() for name, layer in layers.items()}
+    with unquantized(model):
+        off = logits(model, batch())
+        assert not any(layer.quantize_weights or layer.quantize_activations for layer in layers.values())
+    assert torch.equal(logits(model, batch()), before) and not torch.equal(off, before)
+    assert {name: layer.get_extra_state() for name, layer in layers.items()} == states
+    result = compare_on_text(model, model, [batch(1), batch(2)])
+    assert result.kl.difference == 0 and result.nll.difference == 0  # a model against itself
+    assert result.quantization_kl.difference > 0

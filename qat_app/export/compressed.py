@@ -15,8 +15,9 @@ transformers through its compressed-tensors integration. HiF8 maps onto E4M3 wit
   scale, which would re-round the HiF8 values; per-channel scales keep each row's own;
 * activations: a static per-tensor ``input_scale = a_hat / (15 x 16)`` from the trained delayed scale (the
   scale the QAT model's eval forward uses), so every HiF8 grid point in range is an E4M3 value; serving clips at
-  448 (28 a_hat / 15 of the input, where training clipped at a_hat) and rounds ties to even (HiF8: away from
-  zero), so the served model is close to, not equal to, the trained one (:mod:`.served` measures how close).
+  448 (an input of 448 a_hat / 240 = 1.87 a_hat, where training clipped at a_hat), keeps 3 mantissa bits where
+  HiF8 has 2 or 1 and rounds ties to even (HiF8: away from zero), so the served model is close to, not equal to,
+  the trained one (:mod:`.served` measures how close).
   An input scaled by current scaling (CTS, or a fallback to it) is written with dynamic per-tensor scales
   (vLLM's ``amax / 448``); an input left unquantized (switched off, fallen back to high precision) gives a
   weight-only (W8A16) group.
@@ -373,8 +374,9 @@ def summary_line(out_dir: str | os.PathLike, report: dict) -> str:
     """One line of what an FP8 export holds (the CLI prints it)."""
     totals, size = report["totals"], report["bytes"]
     kinds = ", ".join(f"{count} {kind}" for kind, count in totals["schemes"].items() if count)
-    return (f"wrote {out_dir}: {totals['fp8_layers']} linears in FP8 E4M3 ({kinds}), {len(report['ignored'])} quantized "
-            f"modules kept in {report['storage_dtype']}; {size['weights'] / 2**20:.1f} MiB vs {size['bf16_weights'] / 2**20:.1f} "
+    kept = (f", {len(report['ignored'])} quantized modules kept in {report['storage_dtype']} ({REPORT_FILE} says why)"
+            if report["ignored"] else "")
+    return (f"wrote {out_dir}: {totals['fp8_layers']} linears in FP8 E4M3 ({kinds}){kept}; {size['weights'] / 2**20:.1f} MiB vs {size['bf16_weights'] / 2**20:.1f} "
             f"MiB in BF16 ({size['weights'] / size['bf16_weights']:.3f}x); {totals['below_floor']} of {totals['fp8_elements']} "
             f"weights below the E4M3 floor (largest error {totals['max_error_below_floor']:.3g})")
 

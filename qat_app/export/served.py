@@ -11,7 +11,8 @@ emulation does not reproduce). The trained side is the QAT model's eval forward 
 
 * **text** (``batches`` of token ids; the run's held-out documents): the mean per-token full-vocabulary
   KL(trained || served) in nats, and both perplexities with the paired interval of their ratio (from the
-  per-sequence mean NLL differences; each sequence one unit, since its tokens are not independent);
+  per-sequence mean NLL differences; each sequence one unit, since its tokens are not independent); for scale,
+  KL(the trained weights unquantized || the trained HiF8 forward): what HiF8 itself changes;
 * **benchmarks** (a :class:`~qat_app.data.benchmarks.BenchmarkDataModule`): per task, acc and acc_norm of both
   with the paired difference, its interval (clustered as the report clusters), the answer flips with McNemar's
   p, and the KL between the two models' choice distributions (:func:`qat_app.eval.measures.compare_records`).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,8 @@ class TextComparison:
     tokens: int  # predicted tokens
     kl: stats.PairedResult  # mean per-token KL in nats (a per-sequence mean, each sequence one unit)
     nll: stats.PairedResult  # served - trained mean NLL per token (before: trained, after: served)
+    # for scale: KL(the trained weights unquantized || the trained HiF8 forward), what HiF8 itself changes
+    quantization_kl: stats.PairedResult | None = None
 
     @property
     def perplexities(self) -> tuple[float, float]:
@@ -77,23 +81,44 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits.float()
 
 
+@contextmanager
+def unquantized(model: nn.Module):
+    """The QAT model with weight and activation quantization off (its master weights in high precision); the
+    switches and fallback decisions are restored after."""
+    from ..hif8.patch import quantized_linears, set_quantization
+
+    states = [(layer, layer.get_extra_state()) for _, layer in quantized_linears(model)]
+    set_quantization(model, weights=False, activations=False)
+    try:
+        yield model
+    finally:
+        for layer, state in states:
+            layer.set_extra_state(state)
+
+
 @torch.no_grad()
-def compare_on_text(trained: nn.Module, served: nn.Module, batches: list[torch.Tensor], what: str = "") -> TextComparison:
-    """Per sequence: the mean per-token KL(trained || served) and both mean next-token NLLs."""
+def compare_on_text(trained: nn.Module, served: nn.Module, batches: list[torch.Tensor], what: str = "",
+                    yardstick: bool = True) -> TextComparison:
+    """Per sequence: the mean per-token KL(trained || served) and both mean next-token NLLs; with ``yardstick``
+    also KL(trained weights unquantized || trained), for scale."""
     from ..eval.kl_cache import full_kl
 
-    kl, nll_trained, nll_served = [], [], []
+    kl, nll_trained, nll_served, quantization_kl = [], [], [], []
     for ids in batches:
         a, b = _logits(trained, ids)[:, :-1], _logits(served, ids)[:, :-1]
         targets = ids[:, 1:, None]
         kl.append(full_kl(a, b).mean(1))
         nll_trained.append(-a.log_softmax(-1).gather(-1, targets).squeeze(-1).mean(1))
         nll_served.append(-b.log_softmax(-1).gather(-1, targets).squeeze(-1).mean(1))
+        if yardstick:
+            with unquantized(trained):
+                quantization_kl.append(full_kl(_logits(trained, ids)[:, :-1], a).mean(1))
     per_sequence = torch.cat(kl).double().numpy()
     return TextComparison(
         what=what, sequences=len(per_sequence), tokens=sum(ids[:, 1:].numel() for ids in batches),
         kl=stats.clustered_mean(per_sequence),
-        nll=stats.paired_difference(torch.cat(nll_trained).double().numpy(), torch.cat(nll_served).double().numpy()))
+        nll=stats.paired_difference(torch.cat(nll_trained).double().numpy(), torch.cat(nll_served).double().numpy()),
+        quantization_kl=stats.clustered_mean(torch.cat(quantization_kl).double().numpy()) if yardstick else None)
 
 
 def _benchmark_rows(model: nn.Module, benchmarks) -> tuple[dict[str, float], list[dict]]:
@@ -158,6 +183,8 @@ def render(comparison: ServedComparison, title: str = "Served (FP8 E4M3, compres
             "|---|---|---|---|---|",
             f"| mean per-token KL(trained ‖ served), nats | | | {_interval(text.kl, '.5f')} | "
             f"{'> 0' if text.kl.low > 0 else 'inside the noise'} |",
+            *([f"| for scale: KL(trained weights unquantized ‖ trained HiF8), nats | | | "
+               f"{_interval(text.quantization_kl, '.5f')} | what HiF8 itself changes |"] if text.quantization_kl else []),
             f"| perplexity | {ppl_trained:.4f} | {ppl_served:.4f} | ratio {ratio:.5f} [{low:.5f}, {high:.5f}] | "
             f"{stats.verdict((text.nll.low, text.nll.high), higher_is_better=False)} |",
             f"| mean NLL per token, nats | {text.nll.before:.5f} | {text.nll.after:.5f} | {_interval(text.nll, '+.5f')} | |",
@@ -194,6 +221,7 @@ def write_comparison(comparison: ServedComparison, out_dir: str | os.PathLike) -
         text = comparison.text
         document["text"] = {"what": text.what, "sequences": text.sequences, "tokens": text.tokens,
                             "kl": _jsonable(text.kl), "nll": _jsonable(text.nll),
+                            "quantization_kl": _jsonable(text.quantization_kl),
                             "perplexity": dict(zip(("trained", "served"), text.perplexities)),
                             "perplexity_ratio": dict(zip(("value", "low", "high"), text.perplexity_ratio))}
     if comparison.benchmarks is not None:
