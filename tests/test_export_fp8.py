@@ -332,3 +332,18 @@ def test_the_yardstick_leaves_the_qat_model_as_it_was():
     result = compare_on_text(model, model, [batch(1), batch(2)])
     assert result.kl.difference == 0 and result.nll.difference == 0  # a model against itself
     assert result.quantization_kl.difference > 0
+
+
+def test_an_e4m3_run_exports_without_any_rounding(tmp_path):
+    """An E4M3 QAT run (max_val 448: shift 1): its grid values are the served values, none below a floor."""
+    model = tiny_qat(dtype=torch.float32, format="e4m3")
+    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32")
+    assert report["hif8_format"] == "e4m3" and report["totals"]["below_floor"] == 0
+    served = load_served(tmp_path / "fp8")
+    logits(served, batch())  # compressed-tensors decompresses on the first forward
+    qat = dict(quantized_linears(model))
+    for name in report["layers"]:
+        layer = qat[name]
+        result, _ = layer.weight_scaler.quantize(layer.weight.detach(), layer.format)
+        relative = (served.get_submodule(name).weight - result.dequantized).abs() / result.dequantized.abs().clamp_min(1e-38)
+        assert float(relative.max()) <= DEQUANT_TOLERANCE

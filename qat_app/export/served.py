@@ -40,7 +40,9 @@ BENCHMARK_MEASURES = ("acc", "acc_norm", "kl_choices", "flips_acc")
 
 
 def load_served(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-    """The FP8 export as transformers loads it (its compressed-tensors integration), in eval mode."""
+    """The FP8 export as transformers loads it (its compressed-tensors integration), in eval mode. Its FP8 layers
+    hold E4M3 weights until the first forward, which decompresses them (``e4m3 x weight_scale``) and from then on
+    quantizes their inputs to E4M3 at the static scales."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=dtype, trust_remote_code=trust_remote_code)
