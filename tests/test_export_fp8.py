@@ -338,7 +338,7 @@ def test_an_e4m3_run_exports_without_any_rounding(tmp_path):
     """An E4M3 QAT run (max_val 448: shift 1): its grid values are the served values, none below a floor."""
     model = tiny_qat(dtype=torch.float32, format="e4m3")
     report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32")
-    assert report["hif8_format"] == "e4m3" and report["totals"]["below_floor"] == 0
+    assert report["qat_format"] == "e4m3" and report["totals"]["below_floor"] == 0
     served = load_served(tmp_path / "fp8")
     logits(served, batch())  # compressed-tensors decompresses on the first forward
     qat = dict(quantized_linears(model))
@@ -347,3 +347,24 @@ def test_an_e4m3_run_exports_without_any_rounding(tmp_path):
         result, _ = layer.weight_scaler.quantize(layer.weight.detach(), layer.format)
         relative = (served.get_submodule(name).weight - result.dequantized).abs() / result.dequantized.abs().clamp_min(1e-38)
         assert float(relative.max()) <= DEQUANT_TOLERANCE
+
+
+def test_fused_gate_up_inputs_are_served_at_the_larger_scale(tmp_path):
+    """vLLM quantizes a fused gate/up input once, at the larger of the two static scales: the export writes that
+    one to both (and says so) so transformers' emulation serves what vLLM serves."""
+    from safetensors.torch import load_file
+
+    model = tiny_qat(dtype=torch.float32)
+    gate, up = "model.layers.2.mlp.gate_proj", "model.layers.2.mlp.up_proj"
+    up_scaler = model.get_submodule(up).input_scaler
+    with torch.no_grad():
+        up_scaler.scale.mul_(0.5)  # a larger input_scale (1 / (16 s)) for up_proj
+    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32")
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    (changed,) = report["fused_input_scales_equalized"]
+    assert changed["layers"] == [gate, up]
+    expected = float(e4m3_decode_scale(up_scaler.scale, 15.0))
+    assert changed["served"] == expected and changed["input_scales"][up] == expected
+    assert float(tensors[f"{gate}.input_scale"]) == float(tensors[f"{up}.input_scale"]) == expected
+    assert report["layers"][gate]["input"]["served_clip"] == pytest.approx(448 * expected)
+    assert float(tensors["model.layers.1.mlp.gate_proj.input_scale"]) != expected  # other blocks untouched

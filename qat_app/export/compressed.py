@@ -217,7 +217,7 @@ def _equalize_fused_inputs(schemes: dict[str, str], tensors: dict[str, torch.Ten
                             "served": float(largest)})
             for s in siblings:
                 tensors[f"{s}.input_scale"] = largest.clone()
-                records[s]["input"]["input_scale"] = float(largest)
+                records[s]["input"].update(input_scale=float(largest), served_clip=float(E4M3_MAX * largest))
     return changed
 
 
@@ -347,7 +347,7 @@ def export_compressed_tensors(
             "version": 1,
             "exported_by": "qat_app.export.export_compressed_tensors",
             "source": info.get("model_name"),
-            "hif8_format": next(iter(modules[n] for n in schemes)).recipe.format,
+            "qat_format": next(iter(modules[n] for n in schemes)).recipe.format,
             "storage_dtype": dtype_name(storage_dtype),
             "floor": "E4M3 rounds the grid values below 2^-12 x 16 of a range of 15 (HiF8's denormals and the 1-bit "
                      "tier under them); every value above is written exactly",
