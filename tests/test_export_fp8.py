@@ -267,6 +267,9 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare"]) == 2
     assert "--config" in capsys.readouterr().err and not out.exists()
     assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
+                        "--compare-device", "gpu0", "--config", config]) == 2
+    assert "--compare-device 'gpu0'" in capsys.readouterr().err and not out.exists()
+    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-batches", "2", "--config", config]) == 0
     printed = capsys.readouterr().out
     assert "6 linears in FP8 E4M3 (6 w8a8_static)" in printed and "perplexity" in printed

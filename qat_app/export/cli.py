@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                              "flags such as --data.* pass through)")
     parser.add_argument("--compare-batches", type=int, default=8, metavar="N",
                         help="--compare: batches of held-out text (default 8)")
+    parser.add_argument("--compare-device", default="cpu", metavar="DEVICE",
+                        help="--compare: where both models run (default cpu; e.g. cuda for a large model)")
     args, lightning_args = parser.parse_known_args(argv)
     if lightning_args and not args.compare:
         parser.error(f"unrecognized arguments: {' '.join(lightning_args)} (LightningCLI flags are read with --compare)")
@@ -76,12 +78,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                       overwrite=args.overwrite)
             print(f"wrote {args.out}: {checkpoint_bytes(args.out) / 2**20:.1f} MiB")
         else:
+            device = _compare_device(args.compare_device) if args.compare else None
             datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
             report = export_compressed_tensors(module, args.out, dtype=args.dtype or "bfloat16",
                                                compute_dtype=args.compute_dtype, overwrite=args.overwrite)
             print(summary_line(args.out, report))
             if datamodule is not None:
-                _compare(module, args.out, datamodule, args.compare_batches)
+                _compare(module, args.out, datamodule, args.compare_batches, device)
         inventory = Path(args.out) / INVENTORY_FILE
         if inventory.is_file():
             print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
@@ -114,15 +117,26 @@ def _datamodule(lightning_args: list[str]):
         return DataCLI(**cli_kwargs(), args=["validate", *lightning_args], run=True).captured
 
 
-def _compare(module, out_dir: str, datamodule, batches: int) -> None:
+def _compare_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ExportError(f"--compare-device {name!r}: not a torch device (cpu, cuda, cuda:1 ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExportError(f"--compare-device {name}: this machine has no CUDA device; use cpu")
+    return device
+
+
+def _compare(module, out_dir: str, datamodule, batches: int, device: torch.device) -> None:
     from ..inspection import text_batches
     from .served import compare_served, load_served, render, write_comparison
 
     benchmarks = getattr(datamodule, "benchmarks", None) if hasattr(datamodule, "make_val_dataloader") else datamodule
     blocks, what = text_batches(datamodule, "auto", batches) if hasattr(datamodule, "make_val_dataloader") else (None, "")
     served = load_served(out_dir, dtype=torch.float32, trust_remote_code=bool(module.hparams.get("trust_remote_code")))
-    comparison = compare_served(module.model, served, blocks, benchmarks, text_what=what)
-    comparison.notes.append("emulated on the CPU: the served side is the export loaded by transformers "
+    blocks = None if blocks is None else [ids.to(device) for ids in blocks]
+    comparison = compare_served(module.model.to(device), served.to(device), blocks, benchmarks, text_what=what)
+    comparison.notes.append(f"emulated on {device}: the served side is the export loaded by transformers in float32 "
                             "(compressed-tensors: E4M3 inputs at the static scales, E4M3 weights); vLLM's BF16 "
                             "activations and FP8 tensor-core accumulation are not reproduced")
     print(render(comparison))
