@@ -270,6 +270,9 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
                         "--compare-device", "gpu0", "--config", config]) == 2
     assert "--compare-device 'gpu0'" in capsys.readouterr().err and not out.exists()
     assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
+                        "--compare-dtype", "int8", "--config", config]) == 2
+    assert "--compare-dtype" in capsys.readouterr().err and not out.exists()
+    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-batches", "2", "--config", config]) == 0
     printed = capsys.readouterr().out
     assert "6 linears in FP8 E4M3 (6 w8a8_static)" in printed and "perplexity" in printed
@@ -281,6 +284,12 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
 
     AutoTokenizer.from_pretrained(out)
     assert (out / "quantized_modules.json").is_file()
+    # the served side in BF16, as vLLM serves activations: a larger drift than in float32, on the same sequences
+    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--overwrite", "--format", "compressed-tensors",
+                        "--compare", "--compare-batches", "2", "--compare-dtype", "bfloat16", "--config", config]) == 0
+    bf16 = json.loads((out / CHECK_JSON).read_text())
+    assert "transformers in bfloat16" in bf16["notes"][0]
+    assert bf16["text"]["sequences"] == 4 and bf16["text"]["kl"]["difference"] > check["text"]["kl"]["difference"]
 
 
 def test_moe_experts_stay_in_bf16_and_the_dense_mlps_go_fp8(tmp_path):

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                         help="--compare: batches of held-out text (default 8)")
     parser.add_argument("--compare-device", default="cpu", metavar="DEVICE",
                         help="--compare: where both models run (default cpu; e.g. cuda for a large model)")
+    parser.add_argument("--compare-dtype", default="float32", metavar="DTYPE",
+                        help="--compare: the dtype the served side runs in (default float32: the stored tensors and "
+                             "the FP8 numerics alone; bfloat16: activations rounded as vLLM serves them)")
     args, lightning_args = parser.parse_known_args(argv)
     if lightning_args and not args.compare:
         parser.error(f"unrecognized arguments: {' '.join(lightning_args)} (LightningCLI flags are read with --compare)")
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
     try:
         from qat_app.models import resolve_dtype
 
-        for flag, value in (("--dtype", args.dtype), ("--compute-dtype", args.compute_dtype)):
+        for flag, value in (("--dtype", args.dtype), ("--compute-dtype", args.compute_dtype),
+                            ("--compare-dtype", args.compare_dtype)):
             if value is not None:
                 resolve_dtype(value, field=flag)
         if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                                                compute_dtype=args.compute_dtype, overwrite=args.overwrite)
             print(summary_line(args.out, report))
             if datamodule is not None:
-                _compare(module, args.out, datamodule, args.compare_batches, device)
+                _compare(module, args.out, datamodule, args.compare_batches, device,
+                         resolve_dtype(args.compare_dtype, field="--compare-dtype"))
         inventory = Path(args.out) / INVENTORY_FILE
         if inventory.is_file():
             print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
@@ -127,17 +132,18 @@ def _compare_device(name: str) -> torch.device:
     return device
 
 
-def _compare(module, out_dir: str, datamodule, batches: int, device: torch.device) -> None:
+def _compare(module, out_dir: str, datamodule, batches: int, device: torch.device, dtype: torch.dtype) -> None:
     from ..inspection import text_batches
     from .served import compare_served, load_served, render, write_comparison
 
     benchmarks = getattr(datamodule, "benchmarks", None) if hasattr(datamodule, "make_val_dataloader") else datamodule
     blocks, what = text_batches(datamodule, "auto", batches) if hasattr(datamodule, "make_val_dataloader") else (None, "")
-    served = load_served(out_dir, dtype=torch.float32, trust_remote_code=bool(module.hparams.get("trust_remote_code")))
+    served = load_served(out_dir, dtype=dtype, trust_remote_code=bool(module.hparams.get("trust_remote_code")))
     blocks = None if blocks is None else [ids.to(device) for ids in blocks]
     comparison = compare_served(module.model.to(device), served.to(device), blocks, benchmarks, text_what=what)
-    comparison.notes.append(f"emulated on {device}: the served side is the export loaded by transformers in float32 "
-                            "(compressed-tensors: E4M3 inputs at the static scales, E4M3 weights); vLLM's BF16 "
-                            "activations and FP8 tensor-core accumulation are not reproduced")
+    comparison.notes.append(f"emulated on {device}: the served side is the export loaded by transformers in "
+                            f"{str(dtype).removeprefix('torch.')} (compressed-tensors: E4M3 inputs at the static scales, "
+                            "E4M3 weights); vLLM's FP8 tensor-core GEMMs (fp32 accumulation) are not reproduced"
+                            + ("" if dtype == torch.bfloat16 else ", nor its BF16 activations (--compare-dtype bfloat16)"))
     print(render(comparison))
     print("wrote " + ", ".join(write_comparison(comparison, out_dir)))
