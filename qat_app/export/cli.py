@@ -144,6 +144,8 @@ def _compare(module, out_dir: str, datamodule, batches: int, device: torch.devic
     comparison.notes.append(f"emulated on {device}: the served side is the export loaded by transformers in "
                             f"{str(dtype).removeprefix('torch.')} (compressed-tensors: E4M3 inputs at the static scales, "
                             "E4M3 weights); vLLM's FP8 tensor-core GEMMs (fp32 accumulation) are not reproduced"
-                            + ("" if dtype == torch.bfloat16 else ", nor its BF16 activations (--compare-dtype bfloat16)"))
+                            + ("; in bfloat16 the FP8 layers' dequantized weights and inputs are rounded to bfloat16 "
+                               "too (vLLM multiplies the E4M3 values themselves): one rounding more than serving"
+                               if dtype == torch.bfloat16 else ", nor its BF16 activations (--compare-dtype bfloat16)"))
     print(render(comparison))
     print("wrote " + ", ".join(write_comparison(comparison, out_dir)))

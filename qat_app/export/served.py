@@ -3,9 +3,10 @@
 The served forward is the export loaded by transformers (:func:`load_served`): compressed-tensors decompresses the
 E4M3 weights (``e4m3 x weight_scale``) and quantizes every FP8 layer's input to E4M3 at its static
 ``input_scale`` (clamp to +-448, round to nearest even) before the matmul, as vLLM's FP8 GEMM does; the rest runs
-in the dtype it is loaded in (float32 here, so the comparison is of the stored tensors and the FP8 numerics; vLLM
-also rounds activations to BF16 and accumulates the FP8 products in fp32 on its tensor cores, which this CPU
-emulation does not reproduce). The trained side is the QAT model's eval forward (HiF8 at its delayed scales).
+in the dtype it is loaded in: float32 (the default: the stored tensors and the FP8 numerics alone) or bfloat16
+(vLLM's activations; the dequantized FP8 operands are then rounded to BF16 too, which vLLM does not do). vLLM's
+fp32 accumulation of the E4M3 products on its tensor cores is not reproduced. The trained side is the QAT
+model's eval forward (HiF8 at its delayed scales).
 
 :func:`compare_served` measures on the same inputs:
 
