@@ -85,15 +85,14 @@ def e4m3_parts(values: torch.Tensor, scale: torch.Tensor, max_val: float, tail: 
     """Grid values ``[rows, K]`` -> ``[(E4M3 tensor, decode scale)]``: the main part, and the tail (``exact``).
 
     Each E4M3 tensor is padded to multiples of 16 and row-major; value x decode scale is the grid value / s."""
-    shift = shift_for(max_val)
     padded = _pad(values.float())
-    _, exact = grid_to_e4m3(padded, max_val)
-    shifted = padded * shift
-    main_scale = e4m3_decode_scale(scale.reshape(()), max_val)
-    parts = [(torch.where(exact, shifted, 0.0).to(E4M3), main_scale)]
+    e4m3, exact = grid_to_e4m3(padded, max_val)
+    main = e4m3.view(torch.uint8).masked_fill(~exact, 0).view(E4M3)  # the tail left out (0x00 is +0)
+    parts = [(main, e4m3_decode_scale(scale.reshape(()), max_val))]
     if tail == TAIL_EXACT:
-        tail_scale = torch.reciprocal(scale.double().reshape(()) * shift * TAIL_SHIFT).float()
-        parts.append((torch.where(exact, 0.0, shifted * TAIL_SHIFT).to(E4M3), tail_scale))
+        shifted_tail = padded * (shift_for(max_val) * TAIL_SHIFT)  # a power of two: exact
+        tail_scale = e4m3_decode_scale(scale.reshape(()).double() * TAIL_SHIFT, max_val)
+        parts.append((torch.where(exact, 0.0, shifted_tail).to(E4M3), tail_scale))
     return parts
 
 
