@@ -193,12 +193,12 @@ class RunSummaryCallback(L.Callback):
         if not unquantized:
             lines.append(f"  report      python main.py report --baseline {self.baseline or '<bf16 baseline run>'} --qat {run_dir}")
             name = os.path.basename(os.path.normpath(run_dir)) if run_dir != "-" else "run"
-            lines.append(f"  export      python main.py export --ckpt {_show(last) if last else '<checkpoint>'} "
-                         f"--out {os.path.join(self.export_dir, name)}")
+            export = f"python main.py export --ckpt {_show(last) if last else '<checkpoint>'} " \
+                     f"--out {os.path.join(self.export_dir, name)}"
             config = os.path.join(log_dir, "config.yaml") if log_dir else None
             compare = f" --compare --config {_show(config)}" if config and os.path.isfile(config) else ""
-            lines.append(f"  serve       python main.py export --ckpt {_show(last) if last else '<checkpoint>'} "
-                         f"--out {os.path.join(self.export_dir, name)}-fp8 --format compressed-tensors{compare}")
+            lines.append(f"  export      {export}")
+            lines.append(f"  serve       {export}-fp8 --format compressed-tensors{compare}")
         else:
             lines.append(f"  report      python main.py report --baseline {run_dir} --qat <QAT run>")
         return "\n".join(lines)

@@ -136,8 +136,9 @@ def _compare(module, out_dir: str, datamodule, batches: int, device: torch.devic
     from ..inspection import text_batches
     from .served import compare_served, load_served, render, write_comparison
 
-    benchmarks = getattr(datamodule, "benchmarks", None) if hasattr(datamodule, "make_val_dataloader") else datamodule
-    blocks, what = text_batches(datamodule, "auto", batches) if hasattr(datamodule, "make_val_dataloader") else (None, "")
+    pretraining = hasattr(datamodule, "make_val_dataloader")  # held-out text (+ its benchmarks), else benchmarks
+    benchmarks = getattr(datamodule, "benchmarks", None) if pretraining else datamodule
+    blocks, what = text_batches(datamodule, "auto", batches) if pretraining else (None, "")
     served = load_served(out_dir, dtype=dtype, trust_remote_code=bool(module.hparams.get("trust_remote_code")))
     blocks = None if blocks is None else [ids.to(device) for ids in blocks]
     comparison = compare_served(module.model.to(device), served.to(device), blocks, benchmarks, text_what=what)

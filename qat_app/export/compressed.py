@@ -221,38 +221,35 @@ def _equalize_fused_inputs(schemes: dict[str, str], tensors: dict[str, torch.Ten
     return changed
 
 
-def _check_written(out_dir: Path, config, checks: dict[str, dict]) -> dict[str, dict]:
+def _check_written(out_dir: Path, checks: dict[str, dict]) -> dict[str, dict]:
     """Read the written weights back and dequantize them with compressed-tensors: above the floor they must equal
     the QAT model's fake-quantized weights within :data:`DEQUANT_TOLERANCE` -> per layer, what was measured."""
+    from contextlib import ExitStack
+
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from safetensors import safe_open
 
-    files = sorted(out_dir.glob("*.safetensors"))
-    where = {}
-    for path in files:
-        with safe_open(str(path), "pt") as f:
-            where.update({key: path for key in f.keys()})
     args = weight_args()
     measured = {}
-    for name, check in checks.items():
-        keys = (f"{name}.weight", f"{name}.weight_scale")
-        missing = [k for k in keys if k not in where]
-        if missing:
-            raise ExportError(f"{out_dir}: the written checkpoint lacks {missing} (self-check)")
-        loaded = {}
-        for key in keys:
-            with safe_open(str(where[key]), "pt") as f:
-                loaded[key] = f.get_tensor(key)
-        served = dequantize(loaded[keys[0]], loaded[keys[1]], args=args, dtype=torch.float32)
-        reference, exact = check["reference"], check["exact"]
-        diff = (served - reference).abs()[exact]
-        relative = diff / reference.abs()[exact].clamp_min(torch.finfo(torch.float32).tiny)
-        worst = float(relative.max()) if relative.numel() else 0.0
-        if not worst <= DEQUANT_TOLERANCE:
-            raise ExportError(f"{name}: the written FP8 weight dequantizes to {worst:.3g} relative of the QAT weight "
-                              f"above the floor (allowed {DEQUANT_TOLERANCE:.3g}): export refused")
-        measured[name] = {"dequantized_max_relative_difference": worst,
-                          "bitwise_equal_above_floor": bool(torch.equal(served[exact], reference[exact]))}
+    with ExitStack() as stack:  # each file opened once
+        files = [stack.enter_context(safe_open(str(path), "pt")) for path in sorted(out_dir.glob("*.safetensors"))]
+        where = {key: f for f in files for key in f.keys()}
+        for name, check in checks.items():
+            keys = (f"{name}.weight", f"{name}.weight_scale")
+            missing = [k for k in keys if k not in where]
+            if missing:
+                raise ExportError(f"{out_dir}: the written checkpoint lacks {missing} (self-check)")
+            weight, scale = (where[key].get_tensor(key) for key in keys)
+            served = dequantize(weight, scale, args=args, dtype=torch.float32)
+            reference, exact = check["reference"], check["exact"]
+            diff = (served - reference).abs()[exact]
+            relative = diff / reference.abs()[exact].clamp_min(torch.finfo(torch.float32).tiny)
+            worst = float(relative.max()) if relative.numel() else 0.0
+            if not worst <= DEQUANT_TOLERANCE:
+                raise ExportError(f"{name}: the written FP8 weight dequantizes to {worst:.3g} relative of the QAT "
+                                  f"weight above the floor (allowed {DEQUANT_TOLERANCE:.3g}): export refused")
+            measured[name] = {"dequantized_max_relative_difference": worst,
+                              "bitwise_equal_above_floor": bool(torch.equal(served[exact], reference[exact]))}
     return measured
 
 
@@ -339,7 +336,7 @@ def export_compressed_tensors(
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         save_inventory(module_or_model, tmp)
-        measured = _check_written(tmp, config, checks)
+        measured = _check_written(tmp, checks)
         for name, values in measured.items():
             records[name].update(values)
         report = {

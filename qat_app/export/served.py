@@ -125,16 +125,12 @@ def compare_on_text(trained: nn.Module, served: nn.Module, batches: list[torch.T
 
 
 def _benchmark_rows(model: nn.Module, benchmarks) -> tuple[dict[str, float], list[dict]]:
-    from ..eval.evaluator import BenchmarkEvaluator, move_batch
+    from ..eval.evaluator import BenchmarkEvaluator, evaluate
     from ..eval.records import record_rows
 
-    benchmarks.setup("validate")
     evaluator = BenchmarkEvaluator(benchmarks.task_names)
-    device = next(model.parameters()).device
     with torch.no_grad():
-        for loader in benchmarks.val_dataloader():
-            for batch in loader:
-                evaluator.update(model, move_batch(batch, device))
+        evaluate(model, benchmarks, evaluator=evaluator)  # the evaluator follows the model to its device
     results, records = evaluator.compute_with_records()
     rows = [row for task, columns in records.items()
             for row in record_rows(task, columns, benchmarks.examples(task), step=0)]
