@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 import torch
@@ -17,6 +18,22 @@ def tiny_llama():
         num_key_value_heads=4, vocab_size=128, max_position_embeddings=128,
     )
     return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """``mktemp`` for module-scoped fixtures, whose directories are removed once the module's tests are done:
+    with ``tmp_path_retention_policy = "failed"`` (pyproject) the suite's disk use stays near one test's, which
+    a CI machine with little free disk needs (checkpoints add up to gigabytes over the suite)."""
+    made = []
+
+    def mktemp(name: str):
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    for directory in made:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -352,9 +352,9 @@ def test_dirty_but_usable_data_trains_and_says_what_it_skipped(tmp_path, tiny_mo
 
 # ------------------------------------------------------------------------------------ checkpoints, resume
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model_dir, tiny_corpus):
+def finished_run(module_tmp, tiny_model_dir, tiny_corpus):
     """A 2-step run with its checkpoints, logs and config.yaml (the run a bad resume must not damage)."""
-    run_dir = tmp_path_factory.mktemp("run")
+    run_dir = module_tmp("run")
     config = write_config(run_dir, tiny_model_dir, tiny_corpus, **{"trainer.max_steps": 2, "warmup.warmup_steps": 1})
     cli.cli_main(["fit", "--config", config])
     assert (run_dir / "ckpt" / "last.ckpt").exists() and (run_dir / "logs" / "version_0" / "config.yaml").exists()
@@ -362,11 +362,11 @@ def finished_run(tmp_path_factory, tiny_model_dir, tiny_corpus):
 
 
 @pytest.fixture(scope="module")
-def other_model_run(tmp_path_factory, tiny_corpus, embedded_tokenizer):
+def other_model_run(module_tmp, tiny_corpus, embedded_tokenizer):
     """A finished run of another (wider) model."""
     from tests._tiny_models import save_tiny_llama
 
-    base = tmp_path_factory.mktemp("other")
+    base = module_tmp("other")
     save_tiny_llama(base / "model", embedded_tokenizer, hidden_size=48, intermediate_size=96, seed=1)
     config = write_config(base, base / "model", tiny_corpus, **{"trainer.max_steps": 2, "warmup.warmup_steps": 1})
     cli.cli_main(["fit", "--config", config])
@@ -374,8 +374,8 @@ def other_model_run(tmp_path_factory, tiny_corpus, embedded_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def unquantized_run(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    base = tmp_path_factory.mktemp("unquantized")
+def unquantized_run(module_tmp, tiny_model_dir, tiny_corpus):
+    base = module_tmp("unquantized")
     config = write_config(base, tiny_model_dir, tiny_corpus, **{"trainer.max_steps": 2, "warmup.warmup_steps": 0,
                                                                 "model.quant.enabled": False})
     cli.cli_main(["fit", "--config", config])

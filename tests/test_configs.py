@@ -25,11 +25,11 @@ CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(cli.__fi
 
 
 @pytest.fixture(scope="module")
-def deep_tiny_model_dir(tmp_path_factory, embedded_tokenizer):
+def deep_tiny_model_dir(module_tmp, embedded_tokenizer):
     """A tiny Llama with 8 blocks, so the configs' ``high_precision_layers: 5`` still leaves blocks to quantize."""
     from tests._tiny_models import save_tiny_llama
 
-    return save_tiny_llama(tmp_path_factory.mktemp("deep_tiny_model"), embedded_tokenizer, hidden_size=16,
+    return save_tiny_llama(module_tmp("deep_tiny_model"), embedded_tokenizer, hidden_size=16,
                            intermediate_size=32, num_hidden_layers=8, max_position_embeddings=64)
 
 

@@ -47,8 +47,8 @@ def independent_parameter_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.fixture(scope="module")
-def tensorboard_fit(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    tmp = tmp_path_factory.mktemp("dashboard")
+def tensorboard_fit(module_tmp, tiny_model_dir, tiny_corpus):
+    tmp = module_tmp("dashboard")
     config = write_config(tmp, tiny_model_dir, tiny_corpus, **{
         "trainer.max_steps": STEPS, "trainer.log_every_n_steps": EVERY, "trainer.callbacks": [],
         "trainer.logger": [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger",

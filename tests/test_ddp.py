@@ -40,8 +40,8 @@ def test_sync_step_amax_two_processes(tmp_path):
 
 # ----------------------------------------------------------------------------- DDP fit via main.py
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    tmp = tmp_path_factory.mktemp("ddp")
+def ddp_run(module_tmp, tiny_model_dir, tiny_corpus):
+    tmp = module_tmp("ddp")
     run_main(["fit", "--config", ddp_config(tmp, tiny_model_dir, tiny_corpus)])
     return tmp, dumps(tmp / "dump")
 

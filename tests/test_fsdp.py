@@ -68,10 +68,10 @@ def _assert_same_scalers(a, b, exact=True):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir, tiny_corpus):
+def runs(module_tmp, tiny_model_dir, tiny_corpus):
     out = {}
     for name, strategy in (("ddp", "ddp"), ("fsdp", FSDP)):
-        tmp = tmp_path_factory.mktemp(name)
+        tmp = module_tmp(name)
         run_main(["fit", "--config", _config(tmp, tiny_model_dir, tiny_corpus, strategy)])
         out[name] = (tmp, dumps(tmp / "dump"))
     return out

@@ -62,12 +62,26 @@ def two_models_logits():
         return a(input_ids=ids).logits, b(input_ids=ids).logits
 
 
+def test_full_kl_of_nearly_equal_models_is_exact_not_rounding_noise(two_models_logits):
+    # logits 1e-4 apart: KL = Var_p(delta) / 2 up to O(delta^3), ~1e-9 nats, far below float32's ~1e-6 noise
+    a = two_models_logits[0][:2].double()
+    delta = 1e-4 * torch.randn(a.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    p = a.softmax(-1)
+    second_order = 0.5 * ((p * delta ** 2).sum(-1) - (p * delta).sum(-1) ** 2)
+    full = full_kl(a.float(), (a + delta).float())
+    # the float32 inputs round the logits: compare with the same rounding, in float64
+    rounded = (a + delta).float().double() - a.float().double()
+    expected = 0.5 * ((p * rounded ** 2).sum(-1) - (p * rounded).sum(-1) ** 2)
+    assert (full > 0).all() and torch.allclose(full, expected, rtol=1e-3, atol=0)
+    assert torch.allclose(second_order, expected, rtol=0.2)
+
+
 def test_topk_kl_is_a_lower_bound_close_to_the_full_vocabulary_kl(two_models_logits):
     a, b = two_models_logits
     full = full_kl(a, b)
     reference = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
                                            reduction="none").sum(-1)
-    assert torch.allclose(full, reference, atol=1e-6)
+    assert full.dtype == torch.float64 and torch.allclose(full.float(), reference, atol=1e-6)
     indices, logp = topk_logprobs(a, 32)
     logq = logprobs_at(b, indices)
     # an independent coarse-graining: the top-32 probabilities one by one, the rest summed, in float64
@@ -236,8 +250,8 @@ def _sha(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    tmp = tmp_path_factory.mktemp("kl_straight")
+def straight(module_tmp, tiny_model_dir, tiny_corpus):
+    tmp = module_tmp("kl_straight")
     return tmp, _fit(tmp, tiny_model_dir, tiny_corpus)
 
 

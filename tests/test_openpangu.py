@@ -202,8 +202,8 @@ def make_upstream_checkpoint(directory: Path, fields: dict, sp_model: bytes, see
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
-def upstream(request, tmp_path_factory, sp_model):
-    directory = tmp_path_factory.mktemp(f"pangu_{request.param}")
+def upstream(request, module_tmp, sp_model):
+    directory = module_tmp(f"pangu_{request.param}")
     model = make_upstream_checkpoint(directory, TINY_CONFIGS[request.param], sp_model)
     return request.param, directory, model
 

@@ -36,7 +36,7 @@ def _doc_ids(t: torch.Tensor) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
+def tok_dir(module_tmp):
     """A small offline word-level tokenizer (one token per word; eos '<eos>', no pad token)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -48,7 +48,7 @@ def tok_dir(tmp_path_factory):
         vocab[f"w{k}"] = len(vocab)
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    d = tmp_path_factory.mktemp("tok")
+    d = module_tmp("tok")
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>").save_pretrained(str(d))
     return str(d)
 

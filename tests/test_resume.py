@@ -109,8 +109,8 @@ def _ckpt(path):
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    tmp = tmp_path_factory.mktemp("straight")
+def straight_run(module_tmp, tiny_model_dir, tiny_corpus):
+    tmp = module_tmp("straight")
     run = _fit(_config(tmp, tiny_model_dir, tiny_corpus))
     return tmp, run
 

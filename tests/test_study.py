@@ -108,8 +108,8 @@ def _report_numbers(out_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def finished_study(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    tmp = tmp_path_factory.mktemp("study")
+def finished_study(module_tmp, tiny_model_dir, tiny_corpus):
+    tmp = module_tmp("study")
     flag = tmp / "paused"
     flag.write_text("never pause")  # the uninterrupted study
     base = _base_config(tmp, tiny_model_dir, tiny_corpus, flag)
