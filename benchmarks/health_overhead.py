@@ -29,8 +29,9 @@ import time
 
 import torch
 
-from callbacks.saturation import COUNT_FIELDS, FIELDS, HEALTH, WHATIF_COUNT, gather_columns, named_scalers
+from callbacks.saturation import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
 from qat_app.config import QuantConfig, quantize_model
+from qat_app.hif8.counters import HEALTH, gather_columns
 from qat_app.hif8.health import summarize
 from qat_app.hif8.quantized import set_health_measurement
 from qat_app.hif8.scaling import AmaxScaler

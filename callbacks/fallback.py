@@ -20,7 +20,8 @@ import lightning as L
 
 from qat_app.errors import ConfigError
 from qat_app.hif8.errors import FieldError
-from qat_app.hif8.fallback import FallbackMonitor, FallbackPolicy, fallback_step, quantized_tensors, read_counters
+from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, fallback_step, quantized_tensors, read_counters,
+                                   scaler_pairs)
 
 from .saturation import AmaxSaturationCallback
 from .warmup import BF16WarmupCallback
@@ -69,6 +70,7 @@ class FallbackCallback(L.Callback):
         self._saved: dict | None = None  # the checkpoint's evidence, until the model's tensors are known
         self._seen_step = -1
         self.decisions: list[dict] = []  # this fit's, in order
+        self._fallen_back = 0  # tensors fallen back so far, resumed ones included (the logged count)
 
     def state_dict(self) -> dict:
         return {"monitor": self.monitor.state_dict() if self.monitor is not None else self._saved}
@@ -93,13 +95,14 @@ class FallbackCallback(L.Callback):
             log.warning("fallback: the model has no quantized tensor (quant.enabled=false?); nothing can fall back")
             return
         self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)
+        self._fallen_back = sum(operand in layer.fallback for _, layer, operand in tensors)
         if self._saved is not None:
             try:
                 self.monitor.load_state_dict(self._saved)
             except FieldError as err:
                 raise ConfigError(f"fallback: the checkpoint's fallback state does not fit this model: {err}") from None
         else:  # a fresh run (zeros), or one resumed from a checkpoint without fallback state: evidence starts now
-            events, steps, _ = read_counters([layer.scaler_of(op) for _, layer, op in tensors], health=False)
+            events, steps, _ = read_counters(scaler_pairs(tensors), health=False)
             self.monitor.start(events, steps)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -113,6 +116,6 @@ class FallbackCallback(L.Callback):
                         decision["module"], decision["operand"], TARGET_TEXT[decision["target"]], decision["reason"],
                         decision["evidence"])
         self.decisions.extend(new)
-        count = sum(operand in layer.fallback for _, layer, operand in quantized_tensors(pl_module.model))
+        self._fallen_back += len(new)
         for logger in trainer.loggers:
-            logger.log_metrics({FALLBACK_METRIC: float(count)}, step=step - 1)
+            logger.log_metrics({FALLBACK_METRIC: float(self._fallen_back)}, step=step - 1)

@@ -36,12 +36,12 @@ import os
 
 import lightning as L
 import torch
-import torch.distributed as dist
 
-from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, HEALTH_LEN, WHATIF_ALGOS, summarize
+from qat_app.hif8.counters import HEALTH, as_rows, gather_columns
+from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, WHATIF_ALGOS, summarize
 from qat_app.hif8.fallback import fallen_back, quantized_tensors
 from qat_app.hif8.quantized import set_health_measurement
-from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast, sum_over_ranks
+from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 
 log = logging.getLogger(__name__)
 # per step: (amax, a_hat, headroom) are identical on every rank; the element counts are summed
@@ -50,7 +50,6 @@ COUNT_FIELDS = ("last_clipped", "last_numel")
 TOTAL_FIELDS = ("saturation_events", "quantized_steps", "min_headroom", "a_hat", "scale", "steps_recorded")
 TOTAL_COUNT_FIELDS = ("total_clipped", "total_numel")
 WHATIF_COUNT = "last_whatif_clipped"  # per estimator: summed over the ranks
-HEALTH = "health_last"  # the last step's health vector (zeros where none was measured)
 
 
 def _short(name: str) -> str:
@@ -66,51 +65,6 @@ def fallback_entries(model) -> list[dict]:
     """The fallback decisions of ``model`` (:func:`qat_app.hif8.fallback.fallen_back`), named like the tensors here."""
     return [{"tensor": f"{_short(d['module'])}.{d['operand']}", **{k: v for k, v in d.items() if k not in ("module", "operand")}}
             for d in fallen_back(model)]
-
-
-def _flat(scaler, field: str) -> torch.Tensor:
-    """A field of a scaler as a flat float64 vector: a buffer (0-d or a vector), or :data:`HEALTH` (zeros where
-    the last step measured nothing, so that every rank stacks the same shape)."""
-    if field == HEALTH:
-        vector = scaler.health_last
-        return torch.zeros(HEALTH_LEN, dtype=torch.float64, device=scaler.scale.device) if vector is None else vector
-    return getattr(scaler, field).double().reshape(-1)
-
-
-def gather_columns(pairs, fields, count_fields=()) -> dict[str, torch.Tensor]:
-    """All requested fields of all scalers in one host transfer: field -> a CPU float64 tensor, ``[n]`` for a
-    0-d buffer, ``[n, k]`` for a vector. ``count_fields`` are summed over the data-parallel ranks first; a
-    collective when given: call it on every rank.
-
-    Each rank quantizes its own share of the activations and gradients, so theirs are summed; the
-    weight is the same tensor on every rank (replicated, or unsharded for the forward under FSDP), so
-    its counts are rank 0's alone, as one process would count them.
-    """
-    if not pairs:
-        return {}
-    names = (*fields, *count_fields)
-    first = pairs[0][1]
-    widths = [_flat(first, f).numel() for f in names]
-    stacked = torch.stack([torch.cat([_flat(s, f) for f in fields]) for _, s in pairs]) if fields else None
-    if count_fields:
-        counts = torch.stack([torch.cat([_flat(s, f) for f in count_fields]) for _, s in pairs])
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-            replicated = torch.tensor([name.endswith(".weight") for name, _ in pairs], device=counts.device)
-            counts = counts.masked_fill(replicated[:, None], 0.0)
-        counts = sum_over_ranks(counts)
-        stacked = counts if stacked is None else torch.cat([stacked, counts], dim=1)
-    columns = stacked.cpu().split(widths, dim=1)
-    return {f: c.squeeze(1) if f != HEALTH and getattr(first, f).dim() == 0 else c for f, c in zip(names, columns)}
-
-
-def as_rows(columns: dict[str, torch.Tensor], names) -> list[list[float]]:
-    """The 0-d-buffer ``columns`` named ``names`` as rows, one per scaler (none without scalers)."""
-    return torch.stack([columns[f] for f in names], dim=1).tolist() if columns else []
-
-
-def gather(pairs, fields, count_fields=()) -> list[list[float]]:
-    """:func:`gather_columns` of 0-d buffers as rows, one per scaler: ``fields`` then ``count_fields``."""
-    return as_rows(gather_columns(pairs, fields, count_fields), (*fields, *count_fields))
 
 
 def _finite_or_none(value: float) -> float | None:

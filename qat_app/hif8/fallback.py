@@ -33,10 +33,10 @@ import torch
 from torch import nn
 
 from .errors import FieldError
-from .health import FIELDS as HEALTH_FIELDS, HEALTH_LEN, sqnr_from_powers
+from .counters import HEALTH, gather_columns
+from .health import FIELDS as HEALTH_FIELDS, sqnr_from_powers
 from .patch import quantized_linears
 from .quantized import FALLBACK_CURRENT, FALLBACK_TARGETS, OPERANDS, QuantizedMatmul
-from .scaling import sum_over_ranks
 
 SATURATION, LOW_SQNR = "persistent saturation", "SQNR under the floor"
 
@@ -194,23 +194,23 @@ def fallen_back(model: nn.Module) -> list[dict]:
             for name, layer, operand in quantized_tensors(model) if operand in layer.fallback]
 
 
-def read_counters(scalers: list, health: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(saturation_events, quantized_steps, SQNR in dB or None)`` of ``scalers`` on the CPU, in one device->host
-    copy; with ``health``, the SQNR of the step's health vectors summed over the data-parallel ranks (a
-    collective: call it on every rank), NaN where a tensor was not measured."""
-    device = scalers[0].scale.device
-    counters = torch.stack([torch.stack([s.saturation_events, s.quantized_steps]) for s in scalers]).double()
+def read_counters(pairs: list, health: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(saturation_events, quantized_steps, SQNR in dB or None)`` of the ``(tensor name, scaler)`` pairs on the
+    CPU, in one device->host copy (:func:`.counters.gather_columns`); with ``health``, the SQNR of the step's
+    health vectors summed over the data-parallel ranks (a collective: call it on every rank), NaN where a tensor
+    was not measured."""
+    columns = gather_columns(pairs, ("saturation_events", "quantized_steps"), (HEALTH,) if health else ())
     sqnr = None
     if health:
-        vectors = torch.stack([s.health_last if s.health_last is not None
-                               else torch.zeros(HEALTH_LEN, dtype=torch.float64, device=device) for s in scalers])
-        counters = torch.cat([counters, sum_over_ranks(vectors)], dim=1)
-    host = counters.cpu()
-    if health:
-        vectors = host[:, 2:]
+        vectors = columns[HEALTH]
         numel, sum_x2, sum_err2 = (vectors[:, HEALTH_FIELDS.index(f)] for f in ("numel", "sum_x2", "sum_err2"))
         sqnr = torch.where(numel > 0, sqnr_from_powers(sum_x2, sum_err2), math.nan)
-    return host[:, 0].long(), host[:, 1].long(), sqnr
+    return columns["saturation_events"].long(), columns["quantized_steps"].long(), sqnr
+
+
+def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, str]]) -> list[tuple[str, object]]:
+    """``(layer.operand, scaler)`` of :func:`quantized_tensors`' entries, as :mod:`.counters` reads them."""
+    return [(f"{name}.{operand}", layer.scaler_of(operand)) for name, layer, operand in tensors]
 
 
 def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int) -> list[dict]:
@@ -221,9 +221,9 @@ def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int) -> list
     tensors = quantized_tensors(model)
     if not tensors:
         return []
-    scalers = [layer.scaler_of(operand) for _, layer, operand in tensors]
-    measured = monitor.policy.sqnr_floor_db is not None and any(s.health_last is not None for s in scalers)
-    events, steps, sqnr = read_counters(scalers, measured)
+    pairs = scaler_pairs(tensors)
+    measured = monitor.policy.sqnr_floor_db is not None and any(s.health_last is not None for _, s in pairs)
+    events, steps, sqnr = read_counters(pairs, measured)
     eligible = torch.tensor([operand not in layer.fallback and not (
         monitor.policy.target == FALLBACK_CURRENT and layer.scaler_of(operand).algo == "current")
         for _, layer, operand in tensors])
