@@ -25,7 +25,8 @@ import torch
 import main as cli
 from qat_app.errors import ConfigError
 from qat_app.eval.kl_cache import (FINAL_FILE, INITIAL_FILE, InitialKL, TopKCacheError, check_settings, coarse_kl,
-                                   full_kl, interval, kl_between, load_topk, logprobs_at, save_topk, topk_logprobs)
+                                   interval, kl_between, load_topk, logprobs_at, save_topk, topk_logprobs)
+from qat_app.hif8.health import full_kl
 from tests._cli_runs import TINY_BENCHMARKS, write_config
 
 

@@ -121,19 +121,6 @@ def coarse_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1).clamp_min(0.0)
 
 
-def full_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
-    """Per-position full-vocabulary KL(p || q) from two models' logits (the reference the cache bounds), in
-    float64: between nearly equal models float32 log-normalizers alone err by ~1e-6 nats, more than the KL
-    (and of either sign). One leading row at a time bounds the float64 copies."""
-    def one(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        a, b = a.double().log_softmax(-1), b.double().log_softmax(-1)
-        return (a.exp() * (a - b)).sum(-1)
-
-    if logits_p.dim() < 3:
-        return one(logits_p, logits_q)
-    return torch.stack([one(a, b) for a, b in zip(logits_p, logits_q)])
-
-
 def interval(sequence_means: torch.Tensor) -> tuple[float, float, float]:
     """-> (mean, mean - 1.96 SE, mean + 1.96 SE) of per-sequence means (SE with n-1; NaN bounds for n < 2)."""
     x = sequence_means.double().flatten()

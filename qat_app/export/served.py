@@ -104,7 +104,7 @@ def compare_on_text(trained: nn.Module, served: nn.Module, batches: list[torch.T
                     yardstick: bool = True) -> TextComparison:
     """Per sequence: the mean per-token KL(trained || served) and both mean next-token NLLs; with ``yardstick``
     also KL(trained weights unquantized || trained), for scale."""
-    from ..eval.kl_cache import full_kl
+    from ..hif8.health import full_kl
 
     kl, nll_trained, nll_served, quantization_kl = [], [], [], []
     for ids in batches:

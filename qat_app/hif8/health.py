@@ -129,6 +129,20 @@ def sqnr_from_powers(signal_power: torch.Tensor, noise_power: torch.Tensor) -> t
     return torch.where(signal_power > 0, sqnr, math.nan)
 
 
+def full_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """Per-position full-vocabulary KL(p || q) from two models' logits, in float64: the one definition (the
+    reference the top-k cache of :mod:`qat_app.eval.kl_cache` bounds, the end-to-end KL of ``inspect``, served vs
+    trained). Between nearly equal models float32 log-normalizers alone err by ~1e-6 nats, more than the KL (and
+    of either sign). One leading row at a time bounds the float64 copies."""
+    def one(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a, b = a.double().log_softmax(-1), b.double().log_softmax(-1)
+        return (a.exp() * (a - b)).sum(-1)
+
+    if logits_p.dim() < 3:
+        return one(logits_p, logits_q)
+    return torch.stack([one(a, b) for a, b in zip(logits_p, logits_q)])
+
+
 def summarize(health: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tensor]:
     """The logged figures of summed health vectors ``health`` [m, HEALTH_LEN] with their tensors' amax [m]
     (host or device; float64): sqnr_db, underflow_frac, outlier_factor and tier/<name> fractions, each [m].

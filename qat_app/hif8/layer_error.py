@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .health import sqnr_from_powers
+from .health import full_kl, sqnr_from_powers
 from .patch import block_index, quantized_block_range, quantized_linears, set_quantization
 from .recipe import DEFAULT_BLOCK_PATTERN
 from .training import start_warmup, sync_and_advance
@@ -154,8 +153,7 @@ def end_to_end(model: nn.Module, input_ids: torch.Tensor, forward: Callable[[tor
     # float32 logits (a vocabulary-sized tensor per token), float64 sums
     totals.logits_signal += float(reference.square().sum(dtype=torch.float64))
     totals.logits_noise += float((quantized - reference).square().sum(dtype=torch.float64))
-    log_p, log_q = F.log_softmax(reference, dim=-1), F.log_softmax(quantized, dim=-1)
-    totals.kl_sum += float((log_p.exp() * (log_p - log_q)).sum(dtype=torch.float64))
+    totals.kl_sum += float(full_kl(reference, quantized).sum())
     totals.tokens += reference.shape[:-1].numel()
     return reference
 
