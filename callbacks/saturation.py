@@ -39,7 +39,7 @@ import torch
 
 from qat_app.hif8.counters import HEALTH, as_rows, gather_columns
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, WHATIF_ALGOS, summarize
-from qat_app.hif8.fallback import fallen_back, quantized_tensors
+from qat_app.hif8.fallback import fallen_back, quantized_tensors, scaler_pairs
 from qat_app.hif8.quantized import set_health_measurement
 from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 
@@ -58,7 +58,7 @@ def _short(name: str) -> str:
 
 def named_scalers(model) -> list[tuple[str, object]]:
     """``(tensor name, scaler)`` of every quantized tensor: ``layers.7.mlp.up_proj.input``."""
-    return [(f"{_short(name)}.{operand}", layer.scaler_of(operand)) for name, layer, operand in quantized_tensors(model)]
+    return [(_short(name), scaler) for name, scaler in scaler_pairs(quantized_tensors(model))]
 
 
 def fallback_entries(model) -> list[dict]:
