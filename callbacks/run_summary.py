@@ -199,6 +199,9 @@ class RunSummaryCallback(L.Callback):
             compare = f" --compare --config {_show(config)}" if config and os.path.isfile(config) else ""
             lines.append(f"  export      {export}")
             lines.append(f"  serve       {export}-fp8 --format compressed-tensors{compare}")
+            if compare:  # the same export served by vLLM itself, measured against this run
+                lines.append(f"  on vLLM     python benchmarks/serve_vllm.py --ckpt {_show(last) if last else '<checkpoint>'} "
+                             f"--config {_show(config)} --out {os.path.join(self.export_dir, name)}-fp8")
         else:
             lines.append(f"  report      python main.py report --baseline {run_dir} --qat <QAT run>")
         return "\n".join(lines)

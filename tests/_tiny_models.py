@@ -21,18 +21,20 @@ def save_tiny_llama(path, tokenizer, *, hidden_size=32, intermediate_size=64, nu
     return path
 
 
-def moe_model(model_type: str, *, hidden_size: int = 32, intermediate_size: int = 48, experts: int = 4):
+def moe_model(model_type: str, *, hidden_size: int = 32, intermediate_size: int = 48, experts: int = 4,
+              vocab_size: int = 64):
     """A 4-block random MoE model (``mixtral``, ``qwen2_moe`` or ``qwen3_moe``), 2 experts per token, eager experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     H, I, E = hidden_size, intermediate_size, experts
-    common = dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    common = dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                  vocab_size=vocab_size)
     extra = {"mixtral": dict(intermediate_size=I, num_local_experts=E, num_experts_per_tok=2),
              "qwen2_moe": dict(intermediate_size=I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
                                num_experts=E, num_experts_per_tok=2, decoder_sparse_step=1),
              "qwen3_moe": dict(intermediate_size=I, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
-                               decoder_sparse_step=1, head_dim=16)}[model_type]
+                               decoder_sparse_step=1, head_dim=hidden_size // 2)}[model_type]
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **common, **extra))
     model.config._experts_implementation = "eager"
     return model

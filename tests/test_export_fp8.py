@@ -87,7 +87,9 @@ def test_export_validates_and_loads_with_transformers_giving_the_qat_weights(tmp
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "float-quantized"
     (group,) = parsed.config_groups.values()
     assert group.weights.strategy == "channel" and group.weights.type == "float" and not group.weights.dynamic
-    assert group.input_activations.strategy == "tensor" and group.input_activations.dynamic is False
+    # the default serve target: dynamic per-token inputs (what vLLM's CPU kernel for per-channel weights takes)
+    assert group.input_activations.strategy == "token" and group.input_activations.dynamic is True
+    assert report["serve_target"]["name"] == "any" and "cuda" in report["serve_target"]["alternatives"]
     fp8 = _fp8_names(report)
     assert fp8 == {f"model.layers.{b}.mlp.{p}" for b in (1, 2) for p in ("gate_proj", "up_proj", "down_proj")}
     assert "lm_head" in parsed.ignore and "model.layers.0.mlp.gate_proj" in parsed.ignore
@@ -122,14 +124,16 @@ def test_export_validates_and_loads_with_transformers_giving_the_qat_weights(tmp
     assert report["bytes"]["weights"] > 0
 
 
-def test_served_forward_equals_a_few_line_reference(tmp_path):
-    """The transformers-loaded export against an independent reference: E4M3 inputs at the static scale
-    (clamp +-448, round to nearest even), E4M3 weights times their per-channel scales, a plain linear."""
+@pytest.mark.parametrize("target", ["any", "cuda"])
+def test_served_forward_equals_a_few_line_reference(tmp_path, target):
+    """The transformers-loaded export against an independent reference: E4M3 inputs (clamp +-448, round to nearest
+    even) at the static scale (``cuda``) or at each token's amax / 448 (``any``), E4M3 weights times their
+    per-channel scales, a plain linear."""
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
     model = tiny_qat(dtype=torch.float32)
-    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32")
+    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32", serve_target=target)
     tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     reference = LlamaForCausalLM(model.config.__class__.from_dict(
         {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"})).eval()
@@ -141,8 +145,13 @@ def test_served_forward_equals_a_few_line_reference(tmp_path):
 
     for name in fp8:
         plain[f"{name}.weight"] = tensors[f"{name}.weight"].float() * tensors[f"{name}.weight_scale"]
-        input_scale = tensors[f"{name}.input_scale"]
-        reference.get_submodule(name).register_forward_pre_hook(lambda m, args, s=input_scale: (qdq(args[0], s),))
+        if target == "cuda":
+            input_scale = tensors[f"{name}.input_scale"]
+            hook = (lambda m, args, s=input_scale: (qdq(args[0], s),))
+        else:
+            assert f"{name}.input_scale" not in tensors
+            hook = (lambda m, args: (qdq(args[0], args[0].abs().amax(-1, keepdim=True) / 448),))
+        reference.get_submodule(name).register_forward_pre_hook(hook)
     missing, unexpected = reference.load_state_dict(plain, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
     served = load_served(tmp_path / "fp8")
@@ -194,12 +203,17 @@ def test_fallbacks_and_input_schemes(tmp_path):
     layers["model.layers.1.mlp.gate_proj"].fall_back("input", "current", step=6, reason="test")
     layers["model.layers.1.mlp.up_proj"].fall_back("input", "current", step=6, reason="test")
     layers["model.layers.2.mlp.down_proj"].fall_back("input", "high_precision", step=7, reason="test")
+    # the default target has no weight-only group (vLLM's CPU platform has no FP8 W8A16 kernel): dense instead
+    # (block 2's gate (CTS) and up (delayed) are both dynamic there, so they fuse)
     schemes, ignored = plan_layers(model)
+    assert schemes == {f"model.layers.{b}.mlp.{p}": "w8a8_dynamic" for b in (1, 2) for p in ("gate_proj", "up_proj")}
+    assert "no FP8 weight-only (W8A16) kernel" in ignored["model.layers.2.mlp.down_proj"]
+    schemes, ignored = plan_layers(model, "cuda")
     assert schemes == {"model.layers.1.mlp.gate_proj": "w8a8_dynamic", "model.layers.1.mlp.up_proj": "w8a8_dynamic",
                        "model.layers.2.mlp.down_proj": "w8a16"}
     assert "fell back to high precision at step 5" in ignored["model.layers.1.mlp.down_proj"]
     assert "vLLM fuses gate_proj/up_proj" in ignored["model.layers.2.mlp.up_proj"]
-    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32")
+    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32", serve_target="cuda")
     config = QuantizationConfig.model_validate(json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"])
     kinds = {tuple(sorted(g.targets)): (g.input_activations.dynamic if g.input_activations else None)
              for g in config.config_groups.values()}
@@ -217,7 +231,13 @@ def test_fallbacks_and_input_schemes(tmp_path):
 
 def test_bad_input_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ExportError, match="input scaler has no amax history"):
-        export_compressed_tensors(tiny_qat(dtype=torch.float32, steps=0), tmp_path / "a")
+        export_compressed_tensors(tiny_qat(dtype=torch.float32, steps=0), tmp_path / "a", serve_target="cuda")
+    with pytest.raises(ExportError, match="--serve-target 'tpu'"):
+        export_compressed_tensors(tiny_qat(dtype=torch.float32), tmp_path / "a", serve_target="tpu")
+    inputs_off = tiny_qat(dtype=torch.float32)
+    set_quantization(inputs_off, weights=True, activations=False)  # weight-only everywhere: no CPU kernel
+    with pytest.raises(ExportError, match="--serve-target any: no layer of this checkpoint can be served in FP8"):
+        export_compressed_tensors(inputs_off, tmp_path / "a")
     with pytest.raises(ExportError, match="model.quant.format 'e5m2'"):
         export_compressed_tensors(tiny_qat(dtype=torch.float32, format="e5m2"), tmp_path / "b")
     warm = tiny_qat(dtype=torch.float32)
@@ -275,7 +295,7 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-batches", "2", "--config", config]) == 0
     printed = capsys.readouterr().out
-    assert "6 linears in FP8 E4M3 (6 w8a8_static)" in printed and "perplexity" in printed
+    assert "6 linears in FP8 E4M3 (6 w8a8_dynamic)" in printed and "perplexity" in printed
     check = json.loads((out / CHECK_JSON).read_text())
     assert check["text"]["sequences"] == 4 and check["text"]["kl"]["difference"] > 0
     assert set(check["benchmarks"]) == {"arc_challenge", "mmlu"}
@@ -372,7 +392,7 @@ def test_fused_gate_up_inputs_are_served_at_the_larger_scale(tmp_path):
     up_scaler = model.get_submodule(up).input_scaler
     with torch.no_grad():
         up_scaler.scale.mul_(0.5)  # a larger input_scale (1 / (16 s)) for up_proj
-    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32")
+    report = export_compressed_tensors(model, tmp_path / "fp8", dtype="float32", serve_target="cuda")
     tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     (changed,) = report["fused_input_scales_equalized"]
     assert changed["layers"] == [gate, up]

@@ -419,3 +419,39 @@ def test_hf_export_is_a_plain_llama_directory(tmp_path, sp_model):
     tok = AutoTokenizer.from_pretrained(str(out))
     for text in TEXTS:
         assert tok(text)["input_ids"] == module.tokenizer(text)["input_ids"]
+
+
+@pytest.mark.slow
+@needs_fixture
+def test_served_by_vllm_as_the_llama_it_loads_as(module_tmp, sp_model):
+    """openPangu-Embedded (attention bias, GQA) trained natively, exported in FP8 as a Llama, served by vLLM:
+    the engine's log-probs meet the emulation's bound (head size 32, as vLLM's CPU attention takes)."""
+    from qat_app.export import engine_check
+
+    if not (engine_check.DEFAULT_VENV / "bin" / "python").is_file():
+        pytest.skip(f"no vLLM environment at {engine_check.DEFAULT_VENV} (make vllm-env)")
+    from qat_app.config import QuantConfig
+    from qat_app.export.compressed import export_compressed_tensors
+    from qat_app.hif8.scaling import all_scalers
+    from qat_app.module import QATModule
+
+    directory = module_tmp("pangu_served")
+    make_upstream_checkpoint(directory, dict(BASE, num_key_value_heads=2, head_dim=32, bias=True), sp_model)
+    module = QATModule(model_name=str(directory), quant=QuantConfig(high_precision_layers=2, fused="off", history_len=4))
+    vocab = module.model.config.vocab_size
+    module.model.train()
+    for _ in range(2):
+        with torch.no_grad():
+            module.model(input_ids=torch.randint(5, vocab, (2, 12)))
+        for s in all_scalers(module.model):
+            s.advance()
+    module.model.eval()
+    report = export_compressed_tensors(module, directory / "fp8")
+    exported = json.loads((directory / "fp8" / "config.json").read_text())
+    assert exported["architectures"] == ["LlamaForCausalLM"] and exported["attention_bias"] is True
+    assert report["totals"]["fp8_layers"] == 6
+    torch.manual_seed(2)
+    check = engine_check.check_with_engine(module, directory / "fp8", [torch.randint(5, vocab, (2, 16))],
+                                           python=engine_check.engine_python(), top_k=10, max_tokens=4)
+    assert check.kernels == {"CompressedTensorsW8A8Fp8": "ChannelWiseTorchFP8ScaledMMLinearKernel"}
+    assert check.emulation_within_bound and check.trained.coverage > 0

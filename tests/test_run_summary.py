@@ -95,6 +95,8 @@ def test_fit_prints_summary_and_counts_steps(tmp_path, tiny_model_dir, tiny_corp
     assert f"python main.py export --ckpt {ckpt} --out exports/tiny" in block
     assert (f"python main.py export --ckpt {ckpt} --out exports/tiny-fp8 --format compressed-tensors --compare "
             f"--config {os.path.join('runs', 'tiny', 'logs', 'version_0', 'config.yaml')}") in block
+    assert (f"python benchmarks/serve_vllm.py --ckpt {ckpt} --config "
+            f"{os.path.join('runs', 'tiny', 'logs', 'version_0', 'config.yaml')} --out exports/tiny-fp8") in block
 
     # the progress bar counted optimizer steps out of max_steps, in the QAT phase at the end
     bar = trainer.progress_bar_callback

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import QATError
 from ..hif8.inventory import INVENTORY_FILE, inventory_summary
-from .compressed import FORMAT_NAME, export_compressed_tensors, summary_line
+from .compressed import DEFAULT_SERVE_TARGET, FORMAT_NAME, SERVE_TARGETS, export_compressed_tensors, summary_line
 from .hf import export_hf
 from .layout import ExportError, checkpoint_bytes
 from .qat_checkpoint import load_qat_checkpoint
@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                         help="dtype the quantized linears ran in (default: the weights'; bfloat16 for bf16-mixed training)")
     parser.add_argument("--hf-weights", choices=("master", "quantized"), default="master",
                         help="hf: trained high-precision weights, or the fake-quantized 8-bit-grid weights")
+    parser.add_argument("--serve-target", choices=tuple(SERVE_TARGETS), default=DEFAULT_SERVE_TARGET,
+                        help=f"{FORMAT_NAME}: any (default): dynamic per-token input scales, served by vLLM on the CPU "
+                             "and on CUDA; cuda: the trained static input scales (closest to training), served by "
+                             "vLLM's CUDA kernels only (its CPU kernels cannot run them)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
     parser.add_argument("--compare", action="store_true",
                         help=f"{FORMAT_NAME}: emulate the served forward on the CPU and compare it with the QAT model on "
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
     args, lightning_args = parser.parse_known_args(argv)
     if lightning_args and not args.compare:
         parser.error(f"unrecognized arguments: {' '.join(lightning_args)} (LightningCLI flags are read with --compare)")
+    if args.serve_target != DEFAULT_SERVE_TARGET and args.format != FORMAT_NAME:
+        parser.error(f"--serve-target: only with --format {FORMAT_NAME}")
     if args.compare and args.format != FORMAT_NAME:
         parser.error(f"--compare: only with --format {FORMAT_NAME}")
     if args.compare_batches < 1:
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
             device = _compare_device(args.compare_device) if args.compare else None
             datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
             report = export_compressed_tensors(module, args.out, dtype=args.dtype or "bfloat16",
-                                               compute_dtype=args.compute_dtype, overwrite=args.overwrite)
+                                               compute_dtype=args.compute_dtype, overwrite=args.overwrite,
+                                               serve_target=args.serve_target)
             print(summary_line(args.out, report))
             if datamodule is not None:
                 _compare(module, args.out, datamodule, args.compare_batches, device,
@@ -143,8 +150,8 @@ def _compare(module, out_dir: str, datamodule, batches: int, device: torch.devic
     blocks = None if blocks is None else [ids.to(device) for ids in blocks]
     comparison = compare_served(module.model.to(device), served.to(device), blocks, benchmarks, text_what=what)
     comparison.notes.append(f"emulated on {device}: the served side is the export loaded by transformers in "
-                            f"{str(dtype).removeprefix('torch.')} (compressed-tensors: E4M3 inputs at the static scales, "
-                            "E4M3 weights); vLLM's FP8 tensor-core GEMMs (fp32 accumulation) are not reproduced"
+                            f"{str(dtype).removeprefix('torch.')} (compressed-tensors: E4M3 inputs at the export's scales, "
+                            "per token or static, E4M3 weights); vLLM itself runs it in benchmarks/serve_vllm.py"
                             + ("; in bfloat16 the FP8 layers' dequantized weights and inputs are rounded to bfloat16 "
                                "too (vLLM multiplies the E4M3 values themselves): one rounding more than serving"
                                if dtype == torch.bfloat16 else ", nor its BF16 activations (--compare-dtype bfloat16)"))

