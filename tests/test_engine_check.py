@@ -165,3 +165,26 @@ def test_the_cuda_layout_is_refused_by_vllms_cpu_kernels_as_the_report_says(serv
                "memory_fraction": 0.15, "sequences": [], "max_model_len": 64}
     with pytest.raises(EngineError, match=r"vLLM could not serve .*fp8-cuda: .*narrow\(\).*log: "):
         engine_check.run_engine(engine_check.engine_python(), request)
+
+
+def test_serve_script_and_export_flags_refuse_bad_input_in_one_line(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from qat_app.export.cli import main as export_main
+
+    spec = importlib.util.spec_from_file_location(
+        "serve_vllm", Path(__file__).resolve().parents[1] / "benchmarks" / "serve_vllm.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    out = tmp_path / "export"
+    assert serve.main(["--ckpt", str(tmp_path / "x.ckpt"), "--config", "c.yaml", "--out", str(out), "--no-install",
+                       "--vllm-venv", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --vllm-venv") and not out.exists()
+    with pytest.raises(SystemExit):  # a serve target is a property of the FP8 export only
+        export_main(["--ckpt", "x.ckpt", "--out", str(out), "--format", "hif8", "--serve-target", "cuda"])
+    assert "--serve-target: only with --format compressed-tensors" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main(["--ckpt", "x.ckpt", "--out", str(out), "--format", "compressed-tensors", "--serve-target", "tpu"])
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err and not out.exists()
