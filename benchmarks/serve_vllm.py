@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=8, help="batches of held-out text (default 8)")
     parser.add_argument("--top-k", type=int, default=20, help="prompt log-probs the engine returns per token (default 20)")
     parser.add_argument("--no-benchmarks", action="store_true", help="skip lm-eval on the served model")
+    parser.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the dtype vLLM serves in (default bfloat16, as users serve)")
+    parser.add_argument("--dtype", default=None, help="the export's --dtype of the unquantized tensors")
     args, data_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     times = {}
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
             started = time.perf_counter()
             flags = ["--ckpt", args.ckpt, "--out", args.out, "--format", "compressed-tensors",
-                     "--serve-target", args.serve_target] + (["--overwrite"] if args.reexport else [])
+                     "--serve-target", args.serve_target] + (["--overwrite"] if args.reexport else []) + \
+                (["--dtype", args.dtype] if args.dtype else [])
             if export_main(flags) != 0:
                 return 2
             times["export"] = time.perf_counter() - started
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         blocks, _ = text_batches(datamodule, "auto", args.batches)
         benchmarks = None if args.no_benchmarks else getattr(datamodule, "benchmarks", None)
         module = load_qat_checkpoint(args.ckpt)
-        check = engine_check.check_with_engine(module, out, blocks, benchmarks, python=python, top_k=args.top_k)
+        check = engine_check.check_with_engine(module, out, blocks, benchmarks, python=python, top_k=args.top_k,
+                                                 dtype=args.engine_dtype)
         check.seconds = {**times, **check.seconds}
     except (QATError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
