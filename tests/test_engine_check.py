@@ -141,12 +141,14 @@ def test_vllm_serves_the_default_export_and_the_emulation_meets_its_bound(served
         assert side.kl_lower_bound.difference >= 0 and 0 < side.coverage <= 1
         assert all(map(torch.isfinite, map(torch.tensor, side.perplexity_ratio)))
     assert check.bf16_change.difference > 0 and check.emulation_within_bound
+    assert check.floor.quantized and check.floor.kl.difference >= 0 and len(check.floor.perplexity_ratios) == 3
     # the benchmarks through lm-eval's vllm backend, paired with the trained model's in-loop scores
     if check.versions["lm_eval"]:
         acc = check.benchmarks["arc_challenge"]["acc"]
         assert acc.n == 6 and 0 <= acc.after <= 1
     written = engine_check.write_check(check, root / "fp8")
     document = json.loads((root / "fp8" / engine_check.ENGINE_JSON).read_text())
+    assert "noise of the arithmetic" in document["floor"]["verdict"]
     assert document["emulation_within_bound"] is True and "ChannelWise" in (root / "fp8" / "engine_check.md").read_text()
     assert len(written) == 2 and os.path.getsize(root / "fp8" / engine_check.ENGINE_LOG) > 0
 
@@ -188,3 +190,37 @@ def test_serve_script_and_export_flags_refuse_bad_input_in_one_line(tmp_path, ca
     with pytest.raises(SystemExit):
         export_main(["--ckpt", "x.ckpt", "--out", str(out), "--format", "compressed-tensors", "--serve-target", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.slow
+@needs_engine
+def test_vllm_serves_a_moe_export_with_bf16_experts_and_fp8_shared_experts(tmp_path):
+    """Qwen2-MoE: the shared experts' MLPs in FP8, the routed experts in BF16 (ignored; vLLM 0.32's CPU FP8
+    fused-MoE backends need AMX tiles and block-quantized weights), served by vLLM's CPU path."""
+    from qat_app.config import QuantConfig, quantize_model
+    from qat_app.export.compressed import export_compressed_tensors
+    from qat_app.hif8.scaling import all_scalers
+    from tests._tiny_models import byte_level_tokenizer, moe_model
+
+    tokenizer = byte_level_tokenizer()
+    model = moe_model("qwen2_moe", hidden_size=128, intermediate_size=128, vocab_size=len(tokenizer))
+    quantize_model(model, QuantConfig(high_precision_layers=2, fused="off", history_len=2))
+    model.train()
+    for seed in (3, 4):
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(seed)))
+        for s in all_scalers(model):
+            s.advance()
+    model.eval()
+    report = export_compressed_tensors(model, tmp_path / "moe", tokenizer=tokenizer)
+    assert report["totals"]["fp8_layers"] == 6 and any("MoE experts" in why for why in report["ignored"].values())
+
+    class Module:  # what check_with_engine reads of a QATModule
+        hparams = {}
+
+    Module.model = model
+    torch.manual_seed(3)
+    check = engine_check.check_with_engine(Module(), tmp_path / "moe", [torch.randint(0, len(tokenizer), (2, 16))],
+                                           python=engine_check.engine_python(), top_k=10, max_tokens=4)
+    assert check.kernels == {"CompressedTensorsW8A8Fp8": "ChannelWiseTorchFP8ScaledMMLinearKernel"}
+    assert check.emulation_within_bound

@@ -298,6 +298,8 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     assert "6 linears in FP8 E4M3 (6 w8a8_dynamic)" in printed and "perplexity" in printed
     check = json.loads((out / CHECK_JSON).read_text())
     assert check["text"]["sequences"] == 4 and check["text"]["kl"]["difference"] > 0
+    floor = check["text"]["noise_floor"]  # the served-vs-trained KL is read against the arithmetic's floor
+    assert floor["seeds"] == [0, 1, 2] and floor["kl"]["difference"] >= 0 and "noise of the arithmetic" in floor["verdict"]
     assert set(check["benchmarks"]) == {"arc_challenge", "mmlu"}
     assert check["benchmarks"]["arc_challenge"]["acc"]["n"] == 12
     from transformers import AutoTokenizer

@@ -229,6 +229,7 @@ class EngineCheck:
     emulation: EngineText | None = None  # the emulated served forward (--compare) against the engine
     emulated_kl: stats.PairedResult | None = None  # KL(trained || emulation), full vocabulary (--compare's figure)
     bf16_change: stats.PairedResult | None = None  # KL(emulation float32 || emulation bfloat16): the bound's unit
+    floor: object = None  # qat_app.eval.noise_floor.NoiseFloor of the trained model on the same text
     accuracies: dict = field(default_factory=dict)
     benchmarks: object = None  # MeasureComparison, trained -> engine
     seconds: dict[str, float] = field(default_factory=dict)
@@ -282,6 +283,9 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
         started = time.perf_counter()
         check.sequences, check.tokens = len(rows), sum(len(ids) - 1 for ids in rows)
         check.trained = text_against_engine(model, blocks, result["prompt_logprobs"], "trained (QAT)")
+        from ..eval.noise_floor import noise_floor
+
+        check.floor = noise_floor(model, blocks)
         if emulate:
             from .served import compare_on_text
 
@@ -344,6 +348,10 @@ def render(check: EngineCheck) -> str:
                 lines.append(f"| {side.against} | {_ci(side.kl_lower_bound, '.5f')} | {side.coverage:.4f} | "
                              f"{ratio:.5f} [{low:.5f}, {high:.5f}] |")
         lines.append("")
+        if check.floor is not None:
+            bound = check.trained.kl_lower_bound
+            lines.append(f"- {check.floor.describe()}. The trained-vs-engine KL lower bound {bound.difference:.5f} "
+                         f"is {check.floor.verdict(bound)} (a lower bound: the full KL may lie higher).")
         if check.emulated_kl is not None:
             lines.append(f"- `--compare`'s emulated figure, KL(trained || emulation) over the full vocabulary: "
                          f"{_ci(check.emulated_kl, '.5f')} nats/token.")
@@ -380,6 +388,8 @@ def write_check(check: EngineCheck, out_dir: str | os.PathLike) -> list[str]:
     out = Path(out_dir)
     document = {f.name: getattr(check, f.name) for f in fields(check) if f.name != "benchmarks"}
     document = {k: asdict(v) if is_dataclass(v) else v for k, v in document.items()}
+    if check.floor is not None:
+        document["floor"]["verdict"] = check.floor.verdict(check.trained.kl_lower_bound)
     for side in ("trained", "emulation"):
         if check.__dict__[side] is not None:
             document[side]["perplexity_ratio"] = dict(zip(("value", "low", "high"), check.__dict__[side].perplexity_ratio))

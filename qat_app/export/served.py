@@ -12,7 +12,8 @@ model's eval forward (HiF8 at its delayed scales).
 :func:`compare_served` measures on the same inputs:
 
 * **text** (``batches`` of token ids; the run's held-out documents): the mean per-token full-vocabulary
-  KL(trained || served) in nats, and both perplexities with the paired interval of their ratio (from the
+  KL(trained || served) in nats, read against the trained model's noise floor on the same text
+  (:mod:`qat_app.eval.noise_floor`: what float rounding alone changes), and both perplexities with the paired interval of their ratio (from the
   per-sequence mean NLL differences; each sequence one unit, since its tokens are not independent); for scale,
   KL(the trained weights unquantized || the trained HiF8 forward): what HiF8 itself changes;
 * **benchmarks** (a :class:`~qat_app.data.benchmarks.BenchmarkDataModule`): per task, acc and acc_norm of both
@@ -62,6 +63,7 @@ class TextComparison:
     nll: stats.PairedResult  # served - trained mean NLL per token (before: trained, after: served)
     # for scale: KL(the trained weights unquantized || the trained HiF8 forward), what HiF8 itself changes
     quantization_kl: stats.PairedResult | None = None
+    floor: Any = None  # qat_app.eval.noise_floor.NoiseFloor of the trained model on the same text
 
     @property
     def perplexities(self) -> tuple[float, float]:
@@ -155,7 +157,10 @@ def compare_served(trained: nn.Module, served: nn.Module, batches: list[torch.Te
     served.eval()
     comparison = ServedComparison()
     if batches:
+        from ..eval.noise_floor import noise_floor
+
         comparison.text = compare_on_text(trained, served, batches, text_what)
+        comparison.text.floor = noise_floor(trained, batches)
     if benchmarks is not None:
         comparison.accuracies, comparison.benchmarks = compare_on_benchmarks(trained, served, benchmarks)
     return comparison
@@ -182,7 +187,10 @@ def render(comparison: ServedComparison, title: str = "Served (FP8 E4M3, compres
             "| measure | trained | served | served vs trained (95% CI) | verdict |",
             "|---|---|---|---|---|",
             f"| mean per-token KL(trained ‖ served), nats | | | {_interval(text.kl, '.5f')} | "
-            f"{'> 0' if text.kl.low > 0 else 'inside the noise'} |",
+            f"{text.floor.verdict(text.kl) if text.floor is not None else ('> 0' if text.kl.low > 0 else 'inside the noise')} |",
+            *([f"| noise floor: KL(trained ‖ trained, inputs x (1 + {text.floor.relative:g} N(0,1))), nats | | | "
+               f"{_interval(text.floor.kl, '.5f')} | {len(text.floor.seeds)} seeds, {text.floor.seconds:.0f} s |"]
+              if text.floor is not None and text.floor.quantized else []),
             *([f"| for scale: KL(trained weights unquantized ‖ trained HiF8), nats | | | "
                f"{_interval(text.quantization_kl, '.5f')} | what HiF8 itself changes |"] if text.quantization_kl else []),
             f"| perplexity | {ppl_trained:.4f} | {ppl_served:.4f} | ratio {ratio:.5f} [{low:.5f}, {high:.5f}] | "
@@ -222,6 +230,10 @@ def write_comparison(comparison: ServedComparison, out_dir: str | os.PathLike) -
         document["text"] = {"what": text.what, "sequences": text.sequences, "tokens": text.tokens,
                             "kl": _jsonable(text.kl), "nll": _jsonable(text.nll),
                             "quantization_kl": _jsonable(text.quantization_kl),
+                            "noise_floor": None if text.floor is None else {
+                                "kl": _jsonable(text.floor.kl), "perplexity_ratios": text.floor.perplexity_ratios,
+                                "relative": text.floor.relative, "seeds": list(text.floor.seeds),
+                                "verdict": text.floor.verdict(text.kl), "seconds": text.floor.seconds},
                             "perplexity": dict(zip(("trained", "served"), text.perplexities)),
                             "perplexity_ratio": dict(zip(("value", "low", "high"), text.perplexity_ratio))}
     if comparison.benchmarks is not None:

@@ -1,0 +1,139 @@
+"""The noise floor of a W8A8 forward: how much a quantized model disagrees with itself when nothing changes but
+float rounding.
+
+A quantized forward is chaotic in its inputs' last bits: an input near the midpoint of two grid values rounds the
+other way under any change of float rounding (another GEMM order, another dtype, another kernel), one grid step is
+1/16 to 1/2 of the value, and the flips cascade through the blocks. So two implementations of the same W8A8
+model (the trained forward and its served copy, an emulation and an engine) differ by this floor from arithmetic
+alone, and a comparison is only evidence of a real difference above it.
+
+The perturbation: the input embeddings' output multiplied by ``1 + relative x N(0, 1)`` (default ``relative``
+1e-7: a float32 rounding's size; drawn from a CPU generator per ``seed``, so the same on every device), which
+leaves an unquantized model's output unchanged to ~1e-14 nats and moves a quantized one by its floor.
+:func:`noise_floor` measures, over ``seeds`` (at least 2) and the given token blocks, the mean per-token
+full-vocabulary KL(model || perturbed model) with its interval (each sequence one cluster across the seeds) and
+the perplexity ratio of each seed with its paired interval. An unquantized model's floor is 0 by definition
+(nothing rounds onto a grid): it is returned as exactly 0 without a forward, with a note saying so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import stats
+from ..errors import QATError
+from ..hif8.health import full_kl
+
+DEFAULT_RELATIVE = 1e-7
+DEFAULT_SEEDS = (0, 1, 2)
+MAX_RELATIVE = 1e-3
+
+
+class NoiseFloorError(QATError):
+    """A noise-floor setting out of range (one line naming it)."""
+
+
+def check_settings(relative: float, seeds) -> tuple[float, tuple[int, ...]]:
+    if not (isinstance(relative, (int, float)) and 0.0 < relative <= MAX_RELATIVE):
+        raise NoiseFloorError(f"noise_floor.relative: must lie in (0, {MAX_RELATIVE:g}], got {relative!r} (a float "
+                              "rounding's size, 1e-7, is the default)")
+    seeds = tuple(int(s) for s in seeds)
+    if len(set(seeds)) < 2:
+        raise NoiseFloorError(f"noise_floor.seeds: at least 2 distinct seeds for an interval, got {list(seeds)}")
+    return float(relative), seeds
+
+
+@dataclass
+class NoiseFloor:
+    """What a model's forward changes under the perturbation, per token (nats) and in perplexity."""
+
+    quantized: bool
+    relative: float
+    seeds: tuple[int, ...]
+    kl: stats.PairedResult  # mean per-token KL(model || perturbed), every (seed, sequence) a value, sequences clusters
+    perplexity_ratios: list[tuple[float, float, float]] = field(default_factory=list)  # per seed: (ratio, low, high)
+    seconds: float = 0.0
+    note: str = ""
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return f"noise floor 0 ({self.note})"
+        ratios = ", ".join(f"{r:.4f} [{lo:.4f}, {hi:.4f}]" for r, lo, hi in self.perplexity_ratios)
+        return (f"noise floor of the arithmetic (inputs x (1 + {self.relative:g} N(0,1)), seeds "
+                f"{', '.join(map(str, self.seeds))}): KL {self.kl.difference:.5f} [{self.kl.low:.5f}, {self.kl.high:.5f}] "
+                f"nats/token; perplexity ratios {ratios}")
+
+    def verdict(self, result: stats.PairedResult) -> str:
+        """Words for a KL comparison read against this floor."""
+        if not self.quantized:
+            return "above 0" if result.low > 0 else "inside the noise"
+        if result.high <= self.kl.high:
+            return "within the noise of the arithmetic"
+        if result.low > self.kl.high:
+            return "above the noise of the arithmetic"
+        return "overlaps the noise of the arithmetic"
+
+
+def _zero(relative: float, seeds: tuple[int, ...], note: str) -> NoiseFloor:
+    zero = stats.PairedResult(difference=0.0, se=0.0, low=0.0, high=0.0, n=0, n_clusters=0, z=math.nan)
+    return NoiseFloor(quantized=False, relative=relative, seeds=seeds, kl=zero, note=note)
+
+
+def _quantizes(model: nn.Module) -> bool:
+    from ..hif8.patch import quantized_linears
+
+    return any(layer.quantize_weights or layer.quantize_activations for _, layer in quantized_linears(model))
+
+
+@contextmanager
+def perturbed_inputs(model: nn.Module, relative: float, seed: int):
+    """The model with its input embeddings' output multiplied by ``1 + relative x N(0, 1)`` (seeded, CPU draw)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def hook(_module, _args, output):
+        noise = torch.randn(output.shape, generator=generator, dtype=torch.float32).to(output.device)
+        return output * (1 + relative * noise).to(output.dtype)
+
+    handle = model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def noise_floor(model: nn.Module, batches: list[torch.Tensor], seeds=DEFAULT_SEEDS, relative: float = DEFAULT_RELATIVE,
+                quantized: bool | None = None) -> NoiseFloor:
+    """The floor of ``model`` on ``batches`` of token ids (module doc). ``quantized``: whether the model rounds
+    onto a grid (default: it holds a HiF8 layer with quantization on; pass True for a served FP8 model)."""
+    relative, seeds = check_settings(relative, seeds)
+    if quantized is None:
+        quantized = _quantizes(model)
+    if not quantized:
+        return _zero(relative, seeds, "an unquantized model rounds nothing onto a grid: its forward is unchanged")
+    started = time.perf_counter()
+    model.eval()
+    references = [model(input_ids=ids).logits.float()[:, :-1] for ids in batches]
+    kl, clusters, ratios = [], [], []
+    for seed in seeds:
+        nll_ref, nll_perturbed = [], []
+        with perturbed_inputs(model, relative, seed):
+            first = 0
+            for ids, reference in zip(batches, references):
+                perturbed = model(input_ids=ids).logits.float()[:, :-1]
+                kl.extend(full_kl(reference, perturbed).mean(1).tolist())
+                clusters.extend(range(first, first + len(ids)))
+                first += len(ids)
+                targets = ids[:, 1:, None]
+                nll_ref.extend((-reference.double().log_softmax(-1).gather(-1, targets)).squeeze(-1).mean(1).tolist())
+                nll_perturbed.extend((-perturbed.double().log_softmax(-1).gather(-1, targets)).squeeze(-1).mean(1).tolist())
+        nll = stats.paired_difference(nll_ref, nll_perturbed)
+        ratios.append((math.exp(nll.difference), math.exp(nll.low), math.exp(nll.high)))
+    return NoiseFloor(quantized=True, relative=relative, seeds=seeds, kl=stats.clustered_mean(kl, clusters),
+                      perplexity_ratios=ratios, seconds=time.perf_counter() - started)
