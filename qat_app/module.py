@@ -229,6 +229,8 @@ class QATModule(L.LightningModule):
             "format": CHECKPOINT_FORMAT,
             "consecutive_nonfinite": self.consecutive_nonfinite,
             "quantized_modules": list(self.quant_report.modules) if self.quant_report is not None else [],
+            # the trainer's precision: what the unquantized tensors were computed in (the exports' default dtype)
+            "precision": str(self._trainer.precision) if self._trainer is not None else None,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

@@ -19,7 +19,7 @@ from ..hif8.inventory import INVENTORY_FILE, inventory_summary
 from .compressed import DEFAULT_SERVE_TARGET, FORMAT_NAME, SERVE_TARGETS, export_compressed_tensors, summary_line
 from .hf import export_hf
 from .layout import ExportError, checkpoint_bytes
-from .qat_checkpoint import load_qat_checkpoint
+from .qat_checkpoint import load_qat_checkpoint, run_dtype
 from .writer import export_hif8
 
 
@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                         help="hif8: the 8-bit HiF8 checkpoint (exact reloads); hf: plain Hugging Face; "
                              f"{FORMAT_NAME}: FP8 E4M3 for vLLM / transformers")
     parser.add_argument("--dtype", default=None,
-                        help="hif8 / compressed-tensors: dtype of the unquantized tensors (default bfloat16); hf: parameter "
-                             "dtype (default unchanged)")
+                        help="hif8 / compressed-tensors: dtype of the unquantized tensors (default: the one the run "
+                             "computed them in: float32 for 32-true, bfloat16 for bf16-mixed); hf: parameter dtype "
+                             "(default unchanged)")
     parser.add_argument("--compute-dtype", default=None,
                         help="dtype the quantized linears ran in (default: the weights'; bfloat16 for bf16-mixed training)")
     parser.add_argument("--hf-weights", choices=("master", "quantized"), default="master",
@@ -78,8 +79,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
         if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
             raise FileExistsError(f"{args.out} already exists and is not empty; pass --overwrite to replace it")
         module = load_qat_checkpoint(args.ckpt)
+        storage, why = run_dtype(module)
+        if args.format != "hf":
+            _say_storage(args.dtype, storage, why)
         if args.format == "hif8":
-            layout = export_hif8(module, args.out, dtype=args.dtype or "bfloat16", compute_dtype=args.compute_dtype,
+            layout = export_hif8(module, args.out, dtype=args.dtype or storage, compute_dtype=args.compute_dtype,
                                  overwrite=args.overwrite)
             print(f"wrote {args.out}: {len(layout['quantized_layers'])} HiF8 layers, "
                   f"{layout['weights_file_bytes'] / 2**20:.1f} MiB ({layout['bytes']['codes'] / 2**20:.1f} MiB of codes)")
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
         else:
             device = _compare_device(args.compare_device) if args.compare else None
             datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
-            report = export_compressed_tensors(module, args.out, dtype=args.dtype or "bfloat16",
+            report = export_compressed_tensors(module, args.out, dtype=args.dtype or storage,
                                                compute_dtype=args.compute_dtype, overwrite=args.overwrite,
                                                serve_target=args.serve_target)
             print(summary_line(args.out, report))
@@ -104,6 +108,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _say_storage(asked: str | None, storage: str, why: str) -> None:
+    """One line on the unquantized tensors' dtype, and what an override costs."""
+    from qat_app.models import resolve_dtype
+
+    if asked is None:
+        print(f"unquantized tensors stored in {storage} ({why}; --dtype overrides)")
+    elif resolve_dtype(asked).itemsize < resolve_dtype(storage).itemsize:
+        print(f"--dtype {asked}: the unquantized tensors are rounded from the run's {storage} ({why}); on the CPU "
+              "quickstart (32-true) the BF16 FP8 export served by vLLM lost 0.9% perplexity [0.4%, 1.5%] against "
+              "-0.2% [-0.8%, +0.4%] stored and served in float32")
 
 
 def _datamodule(lightning_args: list[str]):

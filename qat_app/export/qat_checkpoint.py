@@ -43,4 +43,21 @@ def load_qat_checkpoint(path: str | os.PathLike):
     except RuntimeError as err:
         raise CheckpointError(f"{path}: the state dict does not fit the QATModule its hyper-parameters describe: {err}") from None
     module.eval()
+    module.run_precision = (ckpt.get(CHECKPOINT_KEY) or {}).get("precision")
     return module
+
+
+# Lightning precision -> the dtype its unquantized tensors were computed in (the exports keep it by default)
+PRECISION_DTYPES = {"32-true": "float32", "32": "float32", "64-true": "float32", "bf16-mixed": "bfloat16",
+                    "bf16-true": "bfloat16", "bf16": "bfloat16", "16-mixed": "float16", "16-true": "float16",
+                    "16": "float16"}
+FALLBACK_DTYPE = "bfloat16"
+
+
+def run_dtype(module) -> tuple[str, str]:
+    """(the default storage dtype of an export of ``module``, why): the dtype its run computed the unquantized
+    tensors in, read from the checkpoint's precision; bfloat16 for a checkpoint that does not record it."""
+    precision = getattr(module, "run_precision", None)
+    if precision in PRECISION_DTYPES:
+        return PRECISION_DTYPES[precision], f"the run's precision {precision}"
+    return FALLBACK_DTYPE, "the checkpoint does not record the run's precision (written by an older main)"
