@@ -77,6 +77,7 @@ class Inspection:
     configured_k: int
     layers: list = field(default_factory=list)  # LayerError, ranked worst first
     end_to_end: object = None  # EndToEnd
+    floor: object = None  # qat_app.eval.noise_floor.NoiseFloor of the quantized forward on the same text
     suggested_k: int | None = None
     excluded: list[str] = field(default_factory=list)  # layers below the floor at the measured layout
     suggested_pattern: str | None = None
@@ -216,6 +217,8 @@ def render(inspection: Inspection, top: int | None = None) -> str:
         lines.append(f"      ... {len(inspection.layers) - len(shown)} more (--top)")
     lines += ["", f"end to end (errors compound): logits SQNR {_number(e2e.logits_sqnr_db, '.2f')} dB, "
                   f"KL(high precision || HiF8) {_number(e2e.kl_per_token, '.3g')} nats/token over {e2e.tokens} tokens",
+              *([f"         {inspection.floor.describe()}: the end-to-end KL is "
+                 f"{_floor_multiple(e2e.kl_per_token, inspection.floor)} of it"] if inspection.floor is not None else []),
               f"rule:    {inspection.rule}"]
     configured = f" (configured: {inspection.configured_k})"
     if inspection.suggested_k is None:
@@ -227,6 +230,12 @@ def render(inspection: Inspection, top: int | None = None) -> str:
                      f"layers below the floor: " + (f"--model.quant.module_pattern '{inspection.suggested_pattern}'"
                                                     if inspection.suggested_pattern else inspection.pattern_note))
     return "\n".join(lines)
+
+
+def _floor_multiple(kl: float, floor) -> str:
+    if not floor.quantized or floor.kl.difference <= 0:
+        return "not comparable to a floor"
+    return f"{kl / floor.kl.difference:.1f}x"
 
 
 def _json_number(value: float) -> float | None:
@@ -251,7 +260,11 @@ def write_tables(inspection: Inspection, out_dir: str) -> list[str]:
         "suggested_high_precision_layers": inspection.suggested_k,
         "below_floor_at_measured_layout": inspection.excluded, "suggested_module_pattern": inspection.suggested_pattern,
         "end_to_end": {"logits_sqnr_db": _json_number(e2e.logits_sqnr_db), "kl_per_token": _json_number(e2e.kl_per_token),
-                       "tokens": e2e.tokens},
+                       "tokens": e2e.tokens,
+                       "noise_floor": None if inspection.floor is None else {
+                           "kl": _json_number(inspection.floor.kl.difference), "kl_low": _json_number(inspection.floor.kl.low),
+                           "kl_high": _json_number(inspection.floor.kl.high), "seeds": list(inspection.floor.seeds),
+                           "relative": inspection.floor.relative, "perplexity_ratios": inspection.floor.perplexity_ratios}},
         "layers": [{**row, "sqnr_db": _json_number(row["sqnr_db"]), "cosine": _json_number(row["cosine"])} for row in rows],
     }
     (out / JSON_FILE).write_text(json.dumps(document, indent=1))
@@ -380,6 +393,12 @@ def measure(trainer, module, datamodule, ckpt_path, weights_only, options, confi
             end_to_end(model, input_ids, forward, totals, **operands)
             with layer_comparison(model, errors, block_pattern=selection.block_pattern, **operands):
                 forward(input_ids)
+        from .eval.noise_floor import noise_floor
+        from .hif8.patch import set_quantization
+
+        set_quantization(model, weights=operands["quantize_weight"], activations=operands["quantize_input"])
+        floor = noise_floor(model, compared, forward=forward, quantized=any(operands.values()))
+        set_quantization(model, weights=False, activations=False)
     ranked = sorted(errors.values(), key=lambda e: (math.isnan(e.sqnr_db), e.sqnr_db))
     num_blocks, measured_k = count_blocks(model, selection.block_pattern), selection.high_precision_layers
     below = [e.name for e in ranked if e.sqnr_db < options.min_sqnr]
@@ -391,6 +410,6 @@ def measure(trainer, module, datamodule, ckpt_path, weights_only, options, confi
         text=f"{what}, {' x '.join(map(str, compared[0].shape))} tokens a batch", batches=len(compared),
         tokens=sum(ids.numel() for ids in compared), precision=f"trainer.precision {trainer.precision}, {device}, "
         f"quantized: {operand_names or 'nothing'}", floor_db=options.min_sqnr, num_blocks=num_blocks,
-        measured_k=measured_k, configured_k=configured_k, layers=ranked, end_to_end=totals,
+        measured_k=measured_k, configured_k=configured_k, layers=ranked, end_to_end=totals, floor=floor,
         suggested_k=suggest_high_precision_layers(ranked, num_blocks, options.min_sqnr, measured_k),
         excluded=below, suggested_pattern=pattern, pattern_note=note)

@@ -168,6 +168,9 @@ def test_the_command_ranks_writes_and_suggests(tmp_path, planted_model_dir, tiny
                                                        high_precision_layers=0))
     assert set(fresh.modules) == every - {bad}
     assert document["end_to_end"]["tokens"] == 2 * 2 * 32 and document["end_to_end"]["kl_per_token"] > 0
+    floor = document["end_to_end"]["noise_floor"]  # the end-to-end KL beside the arithmetic's floor
+    assert floor["seeds"] == [0, 1, 2] and floor["kl"] >= 0 and len(floor["perplexity_ratios"]) == 3
+    assert "noise floor of the arithmetic" in printed
     with open(out / "layer_sqnr.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["layer"] for r in rows] == [row["layer"] for row in layers]

@@ -109,9 +109,10 @@ def perturbed_inputs(model: nn.Module, relative: float, seed: int):
 
 @torch.no_grad()
 def noise_floor(model: nn.Module, batches: list[torch.Tensor], seeds=DEFAULT_SEEDS, relative: float = DEFAULT_RELATIVE,
-                quantized: bool | None = None) -> NoiseFloor:
+                quantized: bool | None = None, forward=None) -> NoiseFloor:
     """The floor of ``model`` on ``batches`` of token ids (module doc). ``quantized``: whether the model rounds
-    onto a grid (default: it holds a HiF8 layer with quantization on; pass True for a served FP8 model)."""
+    onto a grid (default: it holds a HiF8 layer with quantization on; pass True for a served FP8 model).
+    ``forward``: ids -> logits (default ``model(input_ids=ids).logits``; e.g. under a precision context)."""
     relative, seeds = check_settings(relative, seeds)
     if quantized is None:
         quantized = _quantizes(model)
@@ -119,14 +120,15 @@ def noise_floor(model: nn.Module, batches: list[torch.Tensor], seeds=DEFAULT_SEE
         return _zero(relative, seeds, "an unquantized model rounds nothing onto a grid: its forward is unchanged")
     started = time.perf_counter()
     model.eval()
-    references = [model(input_ids=ids).logits.float()[:, :-1] for ids in batches]
+    forward = forward or (lambda ids: model(input_ids=ids).logits)
+    references = [forward(ids).float()[:, :-1] for ids in batches]
     kl, clusters, ratios = [], [], []
     for seed in seeds:
         nll_ref, nll_perturbed = [], []
         with perturbed_inputs(model, relative, seed):
             first = 0
             for ids, reference in zip(batches, references):
-                perturbed = model(input_ids=ids).logits.float()[:, :-1]
+                perturbed = forward(ids).float()[:, :-1]
                 kl.extend(full_kl(reference, perturbed).mean(1).tolist())
                 clusters.extend(range(first, first + len(ids)))
                 first += len(ids)
