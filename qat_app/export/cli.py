@@ -170,6 +170,6 @@ def _compare(module, out_dir: str, datamodule, batches: int, device: torch.devic
                             "per token or static, E4M3 weights); vLLM itself runs it in benchmarks/serve_vllm.py"
                             + ("; in bfloat16 the FP8 layers' dequantized weights and inputs are rounded to bfloat16 "
                                "too (vLLM multiplies the E4M3 values themselves): one rounding more than serving"
-                               if dtype == torch.bfloat16 else ", nor its BF16 activations (--compare-dtype bfloat16)"))
+                               if dtype == torch.bfloat16 else "; its activations here are float32, not BF16 (--compare-dtype bfloat16)"))
     print(render(comparison))
     print("wrote " + ", ".join(write_comparison(comparison, out_dir)))
