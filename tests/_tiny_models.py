@@ -94,3 +94,27 @@ def batch(seed=1):
 def logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+def save_qat_checkpoint(path, model_dir, precision: str = "32-true"):
+    """A QATModule on ``model_dir`` (boundary block 0 in high precision) whose scalers have a 2-step history, saved
+    by a Lightning Trainer of ``precision`` (attached, so the checkpoint records it) -> ``path``."""
+    import lightning as L
+
+    from qat_app.config import QuantConfig
+    from qat_app.hif8.scaling import all_scalers
+    from qat_app.module import QATModule
+
+    module = QATModule(model_name=str(model_dir), quant=QuantConfig(high_precision_layers=1, fused="off", history_len=4))
+    module.model.train()
+    for _ in range(2):
+        with torch.no_grad():
+            module.model(input_ids=torch.randint(0, 200, (2, 12)))
+        for s in all_scalers(module.model):
+            s.advance()
+    trainer = L.Trainer(precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu")
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    trainer.save_checkpoint(path)
+    return path

@@ -5,32 +5,17 @@ from __future__ import annotations
 
 import json
 
-import lightning as L
 import pytest
 import torch
 
-from qat_app.config import QuantConfig
 from qat_app.export.cli import main as export_main
 from qat_app.export.qat_checkpoint import load_qat_checkpoint, run_dtype
-from qat_app.hif8.scaling import all_scalers
-from qat_app.module import CHECKPOINT_KEY, QATModule
+from qat_app.module import CHECKPOINT_KEY
+from tests._tiny_models import save_qat_checkpoint
 
 
 def _checkpoint(tmp_path, model_dir, precision):
-    module = QATModule(model_name=str(model_dir), quant=QuantConfig(high_precision_layers=1, fused="off", history_len=4))
-    module.model.train()
-    for _ in range(2):
-        with torch.no_grad():
-            module.model(input_ids=torch.randint(0, 200, (2, 12)))
-        for s in all_scalers(module.model):
-            s.advance()
-    trainer = L.Trainer(precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu")
-    trainer.strategy.connect(module)
-    module.trainer = trainer
-    path = tmp_path / f"{precision}.ckpt"
-    trainer.save_checkpoint(path)
-    return path
+    return save_qat_checkpoint(tmp_path / f"{precision}.ckpt", model_dir, precision)
 
 
 @pytest.mark.parametrize("precision, expected", [("32-true", "float32"), ("bf16-mixed", "bfloat16")])

@@ -263,22 +263,9 @@ def test_bad_input_is_refused_naming_the_field(tmp_path):
 
 @pytest.mark.slow
 def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tiny_corpus, capsys):
-    import lightning as L
+    from tests._tiny_models import save_qat_checkpoint
 
-    from qat_app.module import QATModule
-
-    module = QATModule(model_name=str(tiny_model_dir),
-                       quant=QuantConfig(high_precision_layers=1, fused="off", history_len=4))
-    module.model.train()
-    for _ in range(2):
-        with torch.no_grad():
-            module.model(input_ids=torch.randint(0, 200, (2, 12)))
-        for s in all_scalers(module.model):
-            s.advance()
-    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.strategy.connect(module)
-    ckpt = tmp_path / "m.ckpt"
-    trainer.save_checkpoint(ckpt)
+    ckpt = save_qat_checkpoint(tmp_path / "m.ckpt", tiny_model_dir)
     config = write_config(tmp_path, tiny_model_dir, tiny_corpus, **{"data.init_args.benchmarks": TINY_BENCHMARKS})
     out = tmp_path / "fp8"
     # bad flags: a LightningCLI flag without --compare, --compare without the run's config
