@@ -184,8 +184,8 @@ def text_against_engine(model, blocks: list[torch.Tensor], engine_positions: lis
                       nll=stats.paired_difference(nll_model, nll_engine))
 
 
-def loglikelihood_requests(benchmarks) -> list[tuple[str, int, int, int]]:
-    """(task, example id, choice, request index) of every (context, continuation) pair, and the pairs, in order."""
+def loglikelihood_requests(benchmarks) -> tuple[list[tuple[str, int, int, int]], list[tuple[str, str]]]:
+    """-> ((task, example id, choice, request index) of every (context, continuation) pair, the pairs), in order."""
     pairs, index = [], []
     for task in benchmarks.task_names:
         for example_id, example in enumerate(benchmarks.examples(task)):
@@ -297,11 +297,10 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
             check.bf16_change = compare_on_text(emulated, emulated_bf16, blocks, yardstick=False).kl
         check.seconds["measure_text"] = time.perf_counter() - started
     if index is not None:
-        from .served import _benchmark_rows
         from ..eval.measures import compare_records
-        from .served import BENCHMARK_MEASURES
+        from .served import BENCHMARK_MEASURES, benchmark_rows
 
-        trained_metrics, trained_rows = _benchmark_rows(model, benchmarks)
+        trained_metrics, trained_rows = benchmark_rows(model, benchmarks)
         engine_rows = engine_benchmark_rows(benchmarks, index, result["loglikelihood"])
         check.benchmarks = compare_records(trained_rows, engine_rows, BENCHMARK_MEASURES)
         check.accuracies = {"trained": trained_metrics, "engine": _metrics(engine_rows)}

@@ -127,7 +127,7 @@ def compare_on_text(trained: nn.Module, served: nn.Module, batches: list[torch.T
         quantization_kl=stats.clustered_mean(torch.cat(quantization_kl).double().numpy()) if yardstick else None)
 
 
-def _benchmark_rows(model: nn.Module, benchmarks) -> tuple[dict[str, float], list[dict]]:
+def benchmark_rows(model: nn.Module, benchmarks) -> tuple[dict[str, float], list[dict]]:
     from ..eval.evaluator import BenchmarkEvaluator, evaluate
     from ..eval.records import record_rows
 
@@ -144,8 +144,8 @@ def compare_on_benchmarks(trained: nn.Module, served: nn.Module, benchmarks):
     """-> ({"trained": metrics, "served": metrics}, the paired MeasureComparison served vs trained)."""
     from ..eval.measures import compare_records
 
-    trained_metrics, trained_rows = _benchmark_rows(trained, benchmarks)
-    served_metrics, served_rows = _benchmark_rows(served, benchmarks)
+    trained_metrics, trained_rows = benchmark_rows(trained, benchmarks)
+    served_metrics, served_rows = benchmark_rows(served, benchmarks)
     return ({"trained": trained_metrics, "served": served_metrics},
             compare_records(trained_rows, served_rows, BENCHMARK_MEASURES))
 
