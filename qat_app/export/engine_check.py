@@ -66,7 +66,8 @@ def engine_python(venv: str | os.PathLike = DEFAULT_VENV) -> Path:
     python = Path(venv) / "bin" / "python"
     if not python.is_file():
         raise EngineError(f"--vllm-venv {venv}: no vLLM environment there (bin/python missing); create it with "
-                          f"`python benchmarks/serve_vllm.py --install` ({VLLM_PACKAGE}=={VLLM_VERSION})")
+                          f"`make vllm-env` ({VLLM_PACKAGE}=={VLLM_VERSION}), or run benchmarks/serve_vllm.py without "
+                          "--no-install")
     return python
 
 
