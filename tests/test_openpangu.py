@@ -453,5 +453,6 @@ def test_served_by_vllm_as_the_llama_it_loads_as(module_tmp, sp_model):
     torch.manual_seed(2)
     check = engine_check.check_with_engine(module, directory / "fp8", [torch.randint(5, vocab, (2, 16))],
                                            python=engine_check.engine_python(), top_k=10, max_tokens=4)
-    assert check.kernels == {"CompressedTensorsW8A8Fp8": "ChannelWiseTorchFP8ScaledMMLinearKernel"}
+    assert set(check.kernels) == {"CompressedTensorsW8A8Fp8"}  # on a CPU without AMX: the torch kernel only
+    assert check.kernels["CompressedTensorsW8A8Fp8"] in engine_check.expected_cpu_kernels()
     assert check.emulation_within_bound and check.trained.coverage > 0

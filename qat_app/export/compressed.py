@@ -96,9 +96,9 @@ SERVE_TARGETS = {
         "activations": "static per-tensor E4M3 scales from the trained amax history (a_hat / 240)",
         "served_by": {"cuda": "vLLM CutlassFP8ScaledMMLinearKernel, sm89+ (by vLLM 0.32's kernel selection; not "
                               "run here)"},
-        "cost": "the served forward closest to the trained one, but vLLM's CPU kernels cannot run it (0.32.0: "
-                "ChannelWiseTorchFP8ScaledMMLinearKernel needs per-token activation scales and fails at the first "
-                "forward)",
+        "cost": "the served forward closest to the trained one, but vLLM's CPU kernels cannot run it (0.32.0 on a CPU "
+                "without AMX-FP8: ChannelWiseTorchFP8ScaledMMLinearKernel needs per-token activation scales and fails "
+                "at the first forward)",
     },
 }
 DEFAULT_SERVE_TARGET = "any"

@@ -57,6 +57,14 @@ ENGINE_LOG = "engine_check.log"  # the engine's own output, beside the export
 KERNEL_LINE = re.compile(r"Selected (\w+) for (\w+)")
 
 
+def expected_cpu_kernels() -> tuple[str, ...]:
+    """The kernels vLLM 0.32 can select on this CPU for per-channel E4M3 weights with per-token inputs (its CPU list
+    in ``kernels/linear/__init__.py``): the AMX-FP8 one (Diamond Rapids and later; it needs AMX tiles first) and the
+    torch one every other x86-64 CPU gets."""
+    torch_kernel = "ChannelWiseTorchFP8ScaledMMLinearKernel"
+    return ("CPUFP8W8A8ScaledMMLinearKernel", torch_kernel) if torch.cpu._is_amx_tile_supported() else (torch_kernel,)
+
+
 class EngineError(ExportError):
     """The engine check cannot run as asked (its environment, the export, the engine's version): one line."""
 
