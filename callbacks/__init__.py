@@ -5,6 +5,7 @@ from .forgetting import ForgettingMonitor
 from .initial_eval import InitialEvaluationCallback
 from .memory import MemoryMonitor
 from .model_summary import QATModelSummary
+from .noise_floor import NoiseFloorCallback
 from .progress_log import StepLogCallback
 from .quantized_modules import QuantizedModulesCallback
 from .rng import RNGStateCallback
@@ -18,5 +19,5 @@ __all__ = [
     "AmaxSaturationCallback", "BF16WarmupCallback", "FallbackCallback", "ForgettingMonitor", "InitialEvaluationCallback", "QATModelSummary",
     "QuantizedModulesCallback",
     "RNGStateCallback", "RunSummaryCallback", "StepLogCallback", "StepProgressBar", "TokenThroughputMonitor",
-    "MemoryMonitor", "SpikeAlarm", "TensorBoardDashboard",
+    "MemoryMonitor", "NoiseFloorCallback", "SpikeAlarm", "TensorBoardDashboard",
 ]

@@ -22,6 +22,8 @@ improves when a near-chance model flattens.) In the CPU forgetting study (``docs
 default measure resolved lr 1e-4's 64-step forgetting at ~300 questions, while the drift measures did, by 13x. Drift measures (``forget/kl``
 on held-out text, ``kl_choices``) separate learning rates well (0.097 vs 0.0075 nats on ARC at 1e-4 vs 1e-5)
 but are > 0 for any change: they alarm only against a budget you set (``kl_budget``, ``kl_choices_budget``).
+``kl_budget`` bounds ``forget/kl_drift`` by default (``kl_budget_part``): ``forget/kl`` also holds what HiF8
+changes, a part that is there from the first QAT step at any learning rate and is not forgetting.
 
 **The decision rule.** An accuracy-type measure alarms when its interval excludes 0 on the worse side
 (``higher_is_better`` decides which), a drift measure when its whole interval lies above its budget
@@ -63,6 +65,7 @@ import torch
 
 from qat_app import stats
 from qat_app.errors import ConfigError, did_you_mean
+from qat_app.eval.kl_cache import DRIFT, KL, with_interval
 from qat_app.eval.measures import MEASURES, MeasureError, compare_records, resolve_measures, verdict
 from qat_app.eval.records import SAMPLES_DIR, read_records, records_path
 
@@ -72,7 +75,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MEASURES = ("acc_norm", "p_gold_norm")
 ACTIONS = ("warn", "stop")
-KL_METRIC = "forget/kl"
+KL_METRIC = KL
+KL_PARTS = {"drift": DRIFT, "total": KL}  # forgetting.kl_budget_part -> the metric the budget bounds
 STOP_FILE = "forgetting-stop-step={step}.ckpt"
 INITIAL_FILE = os.path.basename(records_path("", "val", 0))  # val_step0000000.jsonl
 CAUSE = ("the usual cause is too high a learning rate (catastrophic forgetting: the paper's lr 1e-4 forgets "
@@ -158,7 +162,12 @@ class ForgettingMonitor(L.Callback):
         tasks: the benchmark tasks to monitor (null: every evaluated task).
         level: the family-wise false-alarm rate over the whole run, in (0, 1) (Bonferroni over the planned
             validations x the monitored pairs).
-        kl_budget: nats per token for ``forget/kl`` (KL to the initial model on held-out text); null: no alarm.
+        kl_budget: nats per token for the KL to the initial model on held-out text; null: no alarm.
+        kl_budget_part: what ``kl_budget`` bounds: ``drift`` (default, ``forget/kl_drift``: KL(initial || now with
+            quantization off), what training moved) or ``total`` (``forget/kl``, which also holds what HiF8
+            changes: present from the first QAT step at any learning rate, so a budget on it alarms on
+            quantization, not forgetting). Without the parts (``initial_eval.kl_parts`` false) ``drift`` falls
+            back to ``forget/kl``, said once in the log.
         kl_choices_budget: nats for ``kl_choices`` (KL between the initial and current choice distributions),
             per task; null: no alarm (set it to monitor ``kl_choices``).
         action: ``warn`` (one log line per alarm) or ``stop`` (also save a checkpoint, stop, print the resume
@@ -167,7 +176,8 @@ class ForgettingMonitor(L.Callback):
 
     def __init__(self, enabled: Optional[bool] = None, measures: list[str] = list(DEFAULT_MEASURES),
                  tasks: Optional[list[str]] = None, level: float = 0.05, kl_budget: Optional[float] = None,
-                 kl_choices_budget: Optional[float] = None, action: Literal["warn", "stop"] = "warn") -> None:
+                 kl_choices_budget: Optional[float] = None, action: Literal["warn", "stop"] = "warn",
+                 kl_budget_part: Literal["drift", "total"] = "drift") -> None:
         names = [m.name for m in resolve_measures(list(measures), where="forgetting.measures")]
         if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < level < 1.0:
             raise ConfigError(f"forgetting.level: the family-wise false-alarm rate must lie in (0, 1), got {level!r}")
@@ -177,6 +187,10 @@ class ForgettingMonitor(L.Callback):
         if action not in ACTIONS:
             raise ConfigError(f"forgetting.action: unknown action {action!r}{did_you_mean(action, ACTIONS)}; "
                               f"allowed: {', '.join(ACTIONS)}")
+        if kl_budget_part not in KL_PARTS:
+            raise ConfigError(f"forgetting.kl_budget_part: unknown part {kl_budget_part!r}"
+                              f"{did_you_mean(kl_budget_part, KL_PARTS)}; allowed: {', '.join(KL_PARTS)}")
+        self.kl_budget_part = kl_budget_part
         if kl_choices_budget is not None and "kl_choices" not in names:
             names.append("kl_choices")
         self.enabled, self.measures, self.tasks = enabled, names, list(tasks) if tasks is not None else None
@@ -193,6 +207,7 @@ class ForgettingMonitor(L.Callback):
         self.last: dict | None = None  # {"step", "comparison": {task: {measure: PairedResult}} at 95 %}
         self.stop_checkpoint: str | None = None
         self._off_logged = False
+        self._part_missing_logged = False  # said once: kl_budget falls back to forget/kl
         self._unavailable = False  # the initial records could not be read back (a resumed fit): off for the run
         self._pairs = 1  # monitored task-measure pairs (+ forget/kl with a budget)
         self._rule = "Bonferroni"  # the correction in words, for the alarm line
@@ -349,11 +364,11 @@ class ForgettingMonitor(L.Callback):
                         "(Bonferroni) covered only the planned ones", self.looks, self.planned)
         candidates = [(task, m, stats.corrected(r, alpha), self.budget(m)) for task, results in comparison.items()
                       for m, r in results.items() if self.watched(m)]
-        kl = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(KL_METRIC)}
-        if self.kl_budget is not None and {KL_METRIC, f"{KL_METRIC}_low", f"{KL_METRIC}_high"} <= kl.keys():
-            se = (kl[f"{KL_METRIC}_high"] - kl[f"{KL_METRIC}_low"]) / (2 * stats.normal_quantile(stats.CONFIDENCE))
-            result = stats.PairedResult(kl[KL_METRIC], se, kl[f"{KL_METRIC}_low"], kl[f"{KL_METRIC}_high"], 0, 0,
-                                        math.nan)
+        bounded = self.budgeted_kl(trainer.callback_metrics)
+        if self.kl_budget is not None and bounded is not None:
+            mean, low, high = bounded
+            se = (high - low) / (2 * stats.normal_quantile(stats.CONFIDENCE))
+            result = stats.PairedResult(mean, se, low, high, 0, 0, math.nan)
             candidates.append(("held-out text", "kl", stats.corrected(result, alpha), self.kl_budget))
         new = []
         for task, measure, result, budget in candidates:
@@ -368,11 +383,28 @@ class ForgettingMonitor(L.Callback):
             log.warning(self.describe(alarm, trainer))
         return new
 
+    def budgeted_metric(self, metrics) -> str:
+        """The metric ``kl_budget`` bounds among the logged ``metrics``: the chosen part, else ``forget/kl``."""
+        name = KL_PARTS[self.kl_budget_part]
+        if name != KL and name not in metrics and KL in metrics:
+            if not self._part_missing_logged:
+                self._part_missing_logged = True
+                log.info("forgetting.kl_budget bounds %s: its parts are off (initial_eval.kl_parts false)", KL)
+            return KL
+        return name
+
+    def budgeted_kl(self, metrics) -> tuple[float, float, float] | None:
+        """(mean, low, high) of :meth:`budgeted_metric` in ``metrics``, or None when it was not logged."""
+        names = with_interval(self.budgeted_metric(metrics))
+        return tuple(float(metrics[k]) for k in names) if all(k in metrics for k in names) else None
+
     def describe(self, alarm: dict, trainer=None) -> str:
         """The one alarm line."""
         lr = getattr(getattr(trainer, "lightning_module", None), "hparams", {}).get("lr") if trainer else None
-        name = KL_METRIC if alarm["measure"] == "kl" else f"forget/{alarm['task']}/{alarm['measure']}"
-        what = f"{alarm['task']} {alarm['measure']}" if alarm["measure"] != "kl" else f"{KL_METRIC} (held-out text)"
+        metrics = trainer.callback_metrics if trainer is not None else {}
+        kl_name = self.budgeted_metric(metrics) if metrics else KL_PARTS[self.kl_budget_part]
+        name = kl_name if alarm["measure"] == "kl" else f"forget/{alarm['task']}/{alarm['measure']}"
+        what = f"{alarm['task']} {alarm['measure']}" if alarm["measure"] != "kl" else f"{kl_name} (held-out text)"
         what += " fell" if alarm["budget"] is None else f" passed its budget {alarm['budget']:g} nats"
         return (f"forgetting: {what} at step {alarm['step']}: {name} {alarm['difference']:+.4f} "
                 f"[{alarm['low']:+.4f}, {alarm['high']:+.4f}] ({100 * alarm['level']:.4g} % interval: {self._rule}, "

@@ -10,35 +10,21 @@ It also keeps the initial model's top-k next-token log-probabilities on the firs
 (:mod:`qat_app.eval.kl_cache`, ``kl``: on by default, also when ``enabled`` is false, with or without
 benchmarks), so every later validation of the fit logs ``forget/kl`` (KL(initial || now) per token, a lower
 bound of the full-vocabulary KL) and ``forget/kl_low`` / ``forget/kl_high`` (its 95 % interval over
-sequences). A resumed fit reads the cache back from ``<default_root_dir>/initial_topk.pt``.
+sequences), and its parts ``forget/kl_drift`` (training) and ``forget/kl_quantization`` (HiF8) with theirs.
+A resumed fit reads the cache back from ``<default_root_dir>/initial_topk.pt``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
 import lightning as L
 
 from qat_app.eval.kl_cache import DEFAULT_MAX_TOKENS, DEFAULT_TOPK, INITIAL_FILE, InitialKL, check_settings, held_out_blocks
-from qat_app.hif8.patch import quantized_linears
+from qat_app.hif8.patch import quantization_off
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def unquantized(pl_module):
-    """Quantization off in every quantized layer (weights, activations, gradients), restored on exit."""
-    layers = [layer for _, layer in quantized_linears(pl_module)]
-    switches = [(layer.quantize_weights, layer.quantize_activations, layer.quantize_grads) for layer in layers]
-    for layer in layers:
-        layer.quantize_weights = layer.quantize_activations = layer.quantize_grads = False
-    try:
-        yield
-    finally:
-        for layer, (weights, activations, grads) in zip(layers, switches):
-            layer.quantize_weights, layer.quantize_activations, layer.quantize_grads = weights, activations, grads
 
 
 class InitialEvaluationCallback(L.Callback):
@@ -49,19 +35,22 @@ class InitialEvaluationCallback(L.Callback):
         topk: next tokens kept per position (k); the rest of the vocabulary is one bucket.
         max_kl_tokens: positions kept at most (whole sequences): 262144 = 256 sequences at seq 1024, 51.9 MB
             at k=32 (198 bytes a token).
+        kl_parts: also log ``forget/kl`` in its parts, ``forget/kl_drift`` (KL(initial || now, quantization off):
+            what training moved) and ``forget/kl_quantization`` (KL(now off || now on): what HiF8 changes), at
+            the cost of one more forward over the cache's sequences per validation.
     """
 
     def __init__(self, enabled: bool = True, kl: bool = True, topk: int = DEFAULT_TOPK,
-                 max_kl_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 max_kl_tokens: int = DEFAULT_MAX_TOKENS, kl_parts: bool = True) -> None:
         check_settings(topk, max_kl_tokens)
         self.enabled = enabled
-        self.kl, self.topk, self.max_kl_tokens = kl, topk, max_kl_tokens
+        self.kl, self.topk, self.max_kl_tokens, self.kl_parts = kl, topk, max_kl_tokens, kl_parts
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.kl and stage == "fit" and hasattr(pl_module, "forget_kl"):
             model_name = getattr(pl_module, "hparams", {}).get("model_name", "")
             pl_module.forget_kl = InitialKL(self.topk, self.max_kl_tokens, model_name,
-                                            os.path.join(trainer.default_root_dir, INITIAL_FILE))
+                                            os.path.join(trainer.default_root_dir, INITIAL_FILE), parts=self.kl_parts)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._initial_kl(trainer, pl_module)
@@ -75,7 +64,7 @@ class InitialEvaluationCallback(L.Callback):
         first_loop_iter = trainer._logger_connector._first_loop_iter
         trainer.validating = True
         try:
-            with unquantized(pl_module):
+            with quantization_off(pl_module):
                 loop.val_loop.run()
         finally:
             trainer.training = True
@@ -92,7 +81,7 @@ class InitialEvaluationCallback(L.Callback):
             return
         blocks, batch_size, scored = held_out
         if trainer.global_step == 0:
-            with unquantized(pl_module):
+            with quantization_off(pl_module):
                 tracker.record(pl_module, blocks, batch_size, limit=scored)
         else:
             tracker.resume(pl_module, blocks)

@@ -7,7 +7,9 @@ saturation_summary.json and the config. At the end of fit, on global rank 0, thi
   per benchmark task acc and acc_norm with lm-eval's standard error sqrt(p (1 - p) / (n - 1)), and n;
   forgetting: per benchmark, initial -> final for acc, acc_norm and the monitored continuous measure
   (ForgettingMonitor's; default p_gold_norm), paired over the same examples, with the difference, its 95 %
-  interval and the verdict, and ``forget/kl`` (KL(initial || final) on held-out text) when logged;
+  interval and the verdict, and ``forget/kl`` (KL(initial || final) on held-out text) with its parts (drift:
+  training; quantization: HiF8) when logged, the W8A8 ones read against the noise floor;
+  the noise floor (``callbacks.noise_floor``: KL, perplexity ratios, benchmark answers changed, its time);
   saturation totals (from AmaxSaturationCallback's summary file, or its ``summary()`` if it has none yet), and
   each tensor the fallback policy switched (``callbacks.fallback``);
   the log and checkpoint locations; the report and export commands for this run.
@@ -26,7 +28,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from qat_app.eval.measures import MeasureError, compare_records, verdict
 from qat_app.eval.records import read_records, recorded_steps, records_path
 
-from .forgetting import DEFAULT_MEASURES, KL_METRIC, ForgettingMonitor, initial_records_candidates
+from qat_app import stats
+from qat_app.eval.kl_cache import DRIFT, KL, QUANTIZATION, with_interval
+
+from .forgetting import DEFAULT_MEASURES, ForgettingMonitor, initial_records_candidates
+from .noise_floor import NoiseFloorCallback
 from .saturation import AmaxSaturationCallback
 
 log = logging.getLogger(__name__)
@@ -79,18 +85,60 @@ def forgetting_lines(trainer: L.Trainer, log_dir: str | None, metrics: dict[str,
                                  f"[{r.low:+.4f}, {r.high:+.4f}]  {verdict(measure, r, budget)}   n={r.n}")
                 for measure, why in comparison.unavailable.get(task, {}).items():
                     lines.append(f"  {'':<13} {measure:<12} - ({why})")
-    if KL_METRIC in metrics:
-        bounds = (f" [{metrics[KL_METRIC + '_low']:.4f}, {metrics[KL_METRIC + '_high']:.4f}]"
-                  if f"{KL_METRIC}_low" in metrics and f"{KL_METRIC}_high" in metrics else "")
-        budget = monitor.kl_budget if monitor is not None else None
-        over = "" if budget is None else (" over budget" if metrics.get(f"{KL_METRIC}_low", -1) > budget
-                                          else " within budget") + f" {budget:g}"
-        lines.append(f"  {KL_METRIC:<26} {metrics[KL_METRIC]:.4f} nats/token{bounds}{over} "
-                     "(KL(initial || final) on held-out text)")
+    lines += kl_lines(metrics, monitor, _floor_callback(trainer))
     if monitor is not None and monitor.alarms:
         first = monitor.alarms[0]
         lines.append(f"  alarms        {len(monitor.alarms)}; first at step {first['step']}: {first['task']} "
                      f"{first['measure']}" + (f" (stopped: {_show(monitor.stop_checkpoint)})" if monitor.stop_checkpoint else ""))
+    return lines
+
+
+KL_LINES = ((KL, "KL(initial || final) on held-out text"),
+            (DRIFT, "of which training: KL(initial || final, quantization off)"),
+            (QUANTIZATION, "of which HiF8: KL(final off || final on), full vocabulary"))
+
+
+def _floor_callback(trainer: L.Trainer) -> NoiseFloorCallback | None:
+    return next((c for c in trainer.callbacks if isinstance(c, NoiseFloorCallback)), None)
+
+
+def kl_lines(metrics: dict[str, float], monitor: ForgettingMonitor | None, floor: NoiseFloorCallback | None) -> list[str]:
+    """``forget/kl`` and its parts with their intervals; the budget on the part it bounds; the W8A8 ones (the
+    total and the quantization part: the drift compares unquantized forwards) read against the noise floor."""
+    lines = []
+    budget = monitor.kl_budget if monitor is not None else None
+    bounded = monitor.budgeted_metric(metrics) if monitor is not None else None
+    measured = floor.floor if floor is not None and floor.floor is not None and floor.floor.quantized else None
+    for name, what in KL_LINES:
+        values = [metrics.get(k) for k in with_interval(name)]
+        if values[0] is None:
+            continue
+        bounds = f" [{values[1]:.4f}, {values[2]:.4f}]" if None not in values else ""
+        words = ""
+        if budget is not None and name == bounded:
+            words += (" over budget" if (values[1] if values[1] is not None else -1) > budget else " within budget") + f" {budget:g}"
+        if measured is not None and name != DRIFT and None not in values:
+            words += f"; {measured.verdict(stats.PairedResult(values[0], math.nan, values[1], values[2], 0, 0, math.nan))}"
+        lines.append(f"  {name:<26} {values[0]:.4f} nats/token{bounds}{words} ({what})")
+    return lines
+
+
+def floor_lines(floor: NoiseFloorCallback | None) -> list[str]:
+    """The noise floor measured at the end of the fit, with its time."""
+    if floor is None or floor.floor is None:
+        return []
+    f = floor.floor
+    if not f.quantized:
+        return [f"noise floor   0 ({f.note})"]
+    ratios = ", ".join(f"{r:.4f} [{lo:.4f}, {hi:.4f}]" for r, lo, hi in f.perplexity_ratios)
+    lines = [f"noise floor   KL {f.kl.difference:.5f} [{f.kl.low:.5f}, {f.kl.high:.5f}] nats/token over {f.kl.n_clusters} "
+             f"held-out sequences (the model against itself, inputs x (1 + {f.relative:g} N(0,1)), seeds "
+             f"{', '.join(map(str, f.seeds))}; {floor.seconds:.0f} s)",
+             f"              perplexity ratio per seed {ratios}"]
+    if floor.flips is not None:
+        n, changed = floor.flips.total()
+        tasks = "; ".join(f"{t} {'/'.join(map(str, c))} of {floor.flips.examples[t]}" for t, c in floor.flips.flips_norm.items())
+        lines.append(f"              benchmark answers (acc_norm) changed {'/'.join(map(str, changed))} of {n} ({tasks})")
     return lines
 
 
@@ -164,6 +212,7 @@ class RunSummaryCallback(L.Callback):
                       for name in ("acc", "acc_norm") if f"val/{task}/{name}" in m]
             lines.append(f"{task:<13} {'   '.join(scores)}   n={int(n)}")
         lines += forgetting_lines(trainer, log_dir, m)
+        lines += floor_lines(_floor_callback(trainer))
         unquantized = sat is not None and not sat.get("quantized_tensors")
         if sat and not unquantized:
             lines.append(f"saturation    {sat['clipped']} of {sat['seen']:.3g} quantized elements clipped "

@@ -28,7 +28,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from callbacks import FallbackCallback, MemoryMonitor, SpikeAlarm, TensorBoardDashboard
+from callbacks import FallbackCallback, MemoryMonitor, NoiseFloorCallback, SpikeAlarm, TensorBoardDashboard
 from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, ForgettingMonitor, InitialEvaluationCallback,
                        QATModelSummary, QuantizedModulesCallback, RNGStateCallback, RunSummaryCallback, StepLogCallback,
                        StepProgressBar, TokenThroughputMonitor)
@@ -67,6 +67,8 @@ class QATCLI(LightningCLI):
         parser.add_lightning_class_args(ForgettingMonitor, "forgetting")
         # loss / gradient-norm spikes and non-finite steps, read once per optimizer step
         parser.add_lightning_class_args(SpikeAlarm, "alarms")
+        # the W8A8 forward's noise floor, once at the end of a fit (before "summary", which prints it)
+        parser.add_lightning_class_args(NoiseFloorCallback, "noise_floor")
         # after "saturation": its on_fit_end writes the totals the summary reads
         parser.add_lightning_class_args(RunSummaryCallback, "summary")
         parser.add_argument(

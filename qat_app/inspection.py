@@ -261,10 +261,7 @@ def write_tables(inspection: Inspection, out_dir: str) -> list[str]:
         "below_floor_at_measured_layout": inspection.excluded, "suggested_module_pattern": inspection.suggested_pattern,
         "end_to_end": {"logits_sqnr_db": _json_number(e2e.logits_sqnr_db), "kl_per_token": _json_number(e2e.kl_per_token),
                        "tokens": e2e.tokens,
-                       "noise_floor": None if inspection.floor is None else {
-                           "kl": _json_number(inspection.floor.kl.difference), "kl_low": _json_number(inspection.floor.kl.low),
-                           "kl_high": _json_number(inspection.floor.kl.high), "seeds": list(inspection.floor.seeds),
-                           "relative": inspection.floor.relative, "perplexity_ratios": inspection.floor.perplexity_ratios}},
+                       "noise_floor": None if inspection.floor is None else inspection.floor.to_dict()},
         "layers": [{**row, "sqnr_db": _json_number(row["sqnr_db"]), "cosine": _json_number(row["cosine"])} for row in rows],
     }
     (out / JSON_FILE).write_text(json.dumps(document, indent=1))

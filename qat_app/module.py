@@ -267,7 +267,7 @@ class QATModule(L.LightningModule):
             return
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
         if self.forget_kl is not None:  # forget/kl on the held-out blocks (device operations only)
-            self.forget_kl.update(batch["input_ids"], out.logits)
+            self.forget_kl.update(batch["input_ids"], out.logits, self.model)
         self.log("val/loss", out.loss, on_epoch=True, sync_dist=True, add_dataloader_idx=False,
                  batch_size=batch["input_ids"].shape[0])
 

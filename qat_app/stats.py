@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
 
 import numpy as np
@@ -135,6 +135,12 @@ class PairedResult:
     @property
     def interval(self) -> tuple[float, float]:
         return self.low, self.high
+
+
+def jsonable(result: "PairedResult | None") -> dict | None:
+    """A result as strict-JSON values (a non-finite number, e.g. the z of an exact 0, becomes null)."""
+    return None if result is None else {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                        for k, v in asdict(result).items()}
 
 
 def normal_quantile(level: float) -> float:

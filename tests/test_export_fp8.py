@@ -339,14 +339,15 @@ def test_moe_experts_stay_in_bf16_and_the_dense_mlps_go_fp8(tmp_path):
 
 
 def test_the_yardstick_leaves_the_qat_model_as_it_was():
-    from qat_app.export.served import compare_on_text, unquantized
+    from qat_app.export.served import compare_on_text
+    from qat_app.hif8.patch import quantization_off
 
     model = tiny_qat(dtype=torch.float32)
     layers = dict(quantized_linears(model))
     layers["model.layers.1.mlp.down_proj"].fall_back("input", "current", step=3, reason="test")
     before = logits(model, batch())
     states = {name: layer.get_extra_state() for name, layer in layers.items()}
-    with unquantized(model):
+    with quantization_off(model):
         off = logits(model, batch())
         assert not any(layer.quantize_weights or layer.quantize_activations for layer in layers.values())
     assert torch.equal(logits(model, batch()), before) and not torch.equal(off, before)

@@ -116,10 +116,28 @@ def test_decision_sides_and_budgets():
     ({"kl_budget": -0.1}, r"forgetting\.kl_budget: must be a number >= 0"),
     ({"kl_choices_budget": float("nan")}, r"forgetting\.kl_choices_budget: must be a number >= 0"),
     ({"action": "halt"}, r"forgetting\.action: unknown action 'halt'; allowed: warn, stop"),
+    ({"kl_budget_part": "drfit"}, r"forgetting\.kl_budget_part: unknown part 'drfit' \(did you mean drift\?\); "
+                                  r"allowed: drift, total"),
 ])
 def test_bad_settings_name_the_field(kwargs, pattern):
     with pytest.raises(QATError, match=pattern):
         ForgettingMonitor(**kwargs)
+
+
+def test_the_kl_budget_bounds_the_drift_by_default_and_the_total_when_asked(caplog):
+    """forget/kl also holds what HiF8 changes (there from the first QAT step at any lr): the budget bounds the
+    drift; without the parts it falls back to forget/kl, said once."""
+    parts = {"forget/kl": 0.05, "forget/kl_low": 0.04, "forget/kl_high": 0.06, "forget/kl_drift": 0.01,
+             "forget/kl_drift_low": 0.008, "forget/kl_drift_high": 0.012}
+    monitor = ForgettingMonitor(kl_budget=0.03)
+    assert monitor.kl_budget_part == "drift" and monitor.budgeted_kl(parts) == (0.01, 0.008, 0.012)
+    assert ForgettingMonitor(kl_budget=0.03, kl_budget_part="total").budgeted_kl(parts) == (0.05, 0.04, 0.06)
+    total_only = {k: v for k, v in parts.items() if "drift" not in k}
+    with caplog.at_level(logging.INFO, logger="callbacks.forgetting"):
+        assert monitor.budgeted_kl(total_only) == (0.05, 0.04, 0.06)
+        assert monitor.budgeted_kl(total_only) == (0.05, 0.04, 0.06)
+    assert sum("initial_eval.kl_parts false" in r.getMessage() for r in caplog.records) == 1
+    assert monitor.budgeted_kl({}) is None
 
 
 def test_defaults_and_when_it_runs():

@@ -169,7 +169,7 @@ def test_the_command_ranks_writes_and_suggests(tmp_path, planted_model_dir, tiny
     assert set(fresh.modules) == every - {bad}
     assert document["end_to_end"]["tokens"] == 2 * 2 * 32 and document["end_to_end"]["kl_per_token"] > 0
     floor = document["end_to_end"]["noise_floor"]  # the end-to-end KL beside the arithmetic's floor
-    assert floor["seeds"] == [0, 1, 2] and floor["kl"] >= 0 and len(floor["perplexity_ratios"]) == 3
+    assert floor["seeds"] == [0, 1, 2] and floor["kl"]["difference"] >= 0 and len(floor["perplexity_ratios"]) == 3
     assert "noise floor of the arithmetic" in printed
     with open(out / "layer_sqnr.csv") as f:
         rows = list(csv.DictReader(f))

@@ -319,3 +319,74 @@ def test_resume_keeps_the_cache_and_logs_what_an_uninterrupted_run_logs(straight
     warnings = [r.getMessage() for r in caplog.records if r.name == "qat_app.eval.kl_cache"]
     assert len(warnings) == 1 and str(damaged / INITIAL_FILE) in warnings[0] and "damaged" in warnings[0]
     assert run.global_step == 6 and _logged_kl(run.log_dir) == []
+
+
+# ------------------------------------------------------------------------------------------ in parts
+def _logged_parts(log_dir) -> dict[int, dict[str, float]]:
+    """optimizer step -> forget/kl and its parts (mean, low, high each) as logged (the CSV's step column counts
+    the batches that stepped before the validation: one less)."""
+    names = [n for base in ("forget/kl", "forget/kl_drift", "forget/kl_quantization")
+             for n in (base, f"{base}_low", f"{base}_high")]
+    return {step + 1: {n: values[n] for n in names if n in values}
+            for step, values in _logged_forget(log_dir).items() if "forget/kl" in values}
+
+
+@pytest.mark.slow
+def test_forget_kl_is_logged_in_its_parts_and_the_quantization_part_follows_the_switches(straight):
+    """WARMUP 3: at step 2 quantization is still off (its part exactly 0, the drift the whole forget/kl); at
+    steps 4 and 6 it is on (its part > 0); the drift grows with training (lr 1e-3)."""
+    _, trainer = straight
+    parts = _logged_parts(trainer.log_dir)
+    assert sorted(parts) == [2, 4, 6]
+    for step, p in parts.items():
+        assert len(p) == 9
+        for base in ("forget/kl", "forget/kl_drift", "forget/kl_quantization"):
+            assert p[f"{base}_low"] <= p[base] <= p[f"{base}_high"], (step, base)
+    assert p_at(parts, 2, "forget/kl_quantization") == 0.0
+    assert p_at(parts, 2, "forget/kl_drift") == p_at(parts, 2, "forget/kl") > 0  # off: the same forward
+    for step in (4, 6):
+        assert p_at(parts, step, "forget/kl_quantization") > 0
+        assert p_at(parts, step, "forget/kl_drift") > 0
+    result = trainer.lightning_module.forget_kl.last
+    assert result.drift[0] == pytest.approx(parts[6]["forget/kl_drift"], rel=1e-6)
+    summary = next(c for c in trainer.callbacks if type(c).__name__ == "RunSummaryCallback").text
+    assert "forget/kl_drift" in summary and "forget/kl_quantization" in summary
+
+
+def p_at(parts, step, name) -> float:
+    return parts[step][name]
+
+
+@pytest.mark.slow
+def test_a_run_that_does_not_move_has_drift_exactly_0_and_quantization_above_0(tmp_path, tiny_model_dir, tiny_corpus):
+    """lr 1e-30 (model.lr must be > 0; float32 absorbs the updates, so no weight moves by more than 1e-28):
+    the drift part is exactly 0 at every validation, the quantization part > 0 once QAT is on."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = _fit(tmp_path, tiny_model_dir, tiny_corpus, "--model.lr", "1e-30")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    trained = trainer.lightning_module.model.state_dict()
+    shared = [k for k in initial if k in trained]
+    # (an update of 1e-30 is absorbed by every weight but the few embedding entries within ~1e-22 of 0)
+    assert len(shared) > 10 and all(torch.allclose(initial[k], trained[k], rtol=0, atol=1e-28) for k in shared)
+    parts = _logged_parts(trainer.log_dir)
+    assert sorted(parts) == [2, 4, 6]
+    for step, p in parts.items():
+        assert p["forget/kl_drift"] == p["forget/kl_drift_low"] == p["forget/kl_drift_high"] == 0.0, step
+    assert parts[2]["forget/kl_quantization"] == 0.0 and parts[2]["forget/kl"] == 0.0  # warmup: nothing changed
+    assert parts[4]["forget/kl_quantization"] > 0 and parts[6]["forget/kl_quantization"] > 0
+    assert parts[6]["forget/kl"] > 0  # the total holds the quantization
+
+
+@pytest.mark.slow
+def test_a_run_with_quantization_off_has_a_quantization_part_of_exactly_0(tmp_path, tiny_model_dir, tiny_corpus):
+    """HiF8 layers in place, the warmup switching neither weights nor activations on: the second forward runs and
+    gives the same logits, so the quantization part is exactly 0 and the drift is forget/kl itself."""
+    trainer = _fit(tmp_path, tiny_model_dir, tiny_corpus, "--warmup.quantize_weights", "false",
+                   "--warmup.quantize_activations", "false")
+    assert trainer.lightning_module.quantized_linears()  # the layers are there
+    parts = _logged_parts(trainer.log_dir)
+    assert sorted(parts) == [2, 4, 6]
+    for step, p in parts.items():
+        assert p["forget/kl_quantization"] == p["forget/kl_quantization_high"] == 0.0, step
+        assert p["forget/kl_drift"] == p["forget/kl"] > 0, step

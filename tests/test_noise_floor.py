@@ -65,3 +65,75 @@ def test_bad_settings_name_the_setting():
         noise_floor(model, _batches(), seeds=(3, 3))
     with perturbed_inputs(model, 1e-7, 0):
         assert model.get_input_embeddings()._forward_hooks
+
+
+# ------------------------------------------------------------------------------------------ at the end of a fit
+def _fit(tmp_path, model_dir, corpus, *extra):
+    import main as cli
+    from tests._cli_runs import TINY_BENCHMARKS, write_config
+
+    config = write_config(tmp_path, model_dir, corpus, **{"data.init_args.benchmarks": TINY_BENCHMARKS})
+    return cli.cli_main(["fit", "--config", config, *extra]).trainer
+
+
+def _callback(trainer, name):
+    return next(c for c in trainer.callbacks if type(c).__name__ == name)
+
+
+@pytest.mark.slow
+def test_a_fit_ends_with_its_floor_measured_written_logged_and_in_the_summary(tmp_path, tiny_model_dir, tiny_corpus):
+    """The floor at the end of the fit is what noise_floor() gives the final model on the same held-out blocks
+    (bit for bit: the same forwards), its benchmark answers changed are counted per seed, and the summary says
+    both with the time taken."""
+    import csv
+    import json
+    import os
+
+    from qat_app.eval.kl_cache import held_out_blocks
+
+    trainer = _fit(tmp_path, tiny_model_dir, tiny_corpus, "--noise_floor.relative", "1e-3",
+                   "--noise_floor.sequences", "3")
+    callback = _callback(trainer, "NoiseFloorCallback")
+    floor = callback.floor
+    assert floor.quantized and floor.kl.n_clusters == 3 and floor.kl.difference > 0 and callback.seconds > 0
+    blocks, batch_size, _ = held_out_blocks(trainer)
+    again = noise_floor(trainer.lightning_module.model, [blocks[:2], blocks[2:3]], relative=1e-3)
+    assert (again.kl.difference, again.kl.low, again.kl.high) == (floor.kl.difference, floor.kl.low, floor.kl.high)
+    assert batch_size == 2
+    flips = callback.flips
+    assert flips.examples == {"arc_challenge": 12, "mmlu": 12} and flips.seeds == (0, 1, 2)
+    for task, counts in flips.flips_norm.items():
+        assert len(counts) == 3 and all(0 <= c <= 12 for c in counts)
+    document = json.load(open(os.path.join(trainer.log_dir, "noise_floor.json")))
+    assert document["text"]["kl"]["difference"] == floor.kl.difference
+    assert document["benchmarks"]["tasks"]["mmlu"]["flips_acc_norm"] == flips.flips_norm["mmlu"]
+    logged = {k: v for row in csv.DictReader(open(os.path.join(trainer.log_dir, "metrics.csv")))
+              for k, v in row.items() if k.startswith("noise_floor/") and v}
+    assert float(logged["noise_floor/kl"]) == pytest.approx(floor.kl.difference, rel=1e-6)
+    assert {"noise_floor/kl_low", "noise_floor/kl_high", "noise_floor/seconds",
+            "noise_floor/mmlu/answers_changed"} <= logged.keys()
+    summary = _callback(trainer, "RunSummaryCallback").text
+    assert f"noise floor   KL {floor.kl.difference:.5f}" in summary and "benchmark answers (acc_norm) changed" in summary
+    assert "of the arithmetic" in summary  # forget/kl and its quantization part read against it
+
+
+@pytest.mark.slow
+def test_an_unquantized_fit_has_a_floor_of_0_said_not_failed(tmp_path, tiny_model_dir, tiny_corpus):
+    trainer = _fit(tmp_path, tiny_model_dir, tiny_corpus, "--model.quant.enabled", "false",
+                   "--trainer.callbacks", "[]")
+    callback = _callback(trainer, "NoiseFloorCallback")
+    assert not callback.floor.quantized and callback.floor.kl.difference == 0 and callback.flips is None
+    assert "noise floor   0 (an unquantized model rounds nothing onto a grid" in _callback(trainer, "RunSummaryCallback").text
+
+
+@pytest.mark.parametrize("flag,value,pattern", [
+    ("--noise_floor.relative", "0.01", r"noise_floor\.relative: must lie in \(0, 0\.001\], got 0\.01"),
+    ("--noise_floor.seeds", "[4]", r"noise_floor\.seeds: at least 2 distinct seeds"),
+    ("--noise_floor.sequences", "0", r"noise_floor\.sequences: must be an integer >= 1, got 0"),
+])
+def test_bad_floor_settings_are_one_line_naming_the_setting(tmp_path, tiny_model_dir, tiny_corpus, flag, value,
+                                                            pattern):
+    from qat_app.errors import QATError
+
+    with pytest.raises(QATError, match=pattern):
+        _fit(tmp_path, tiny_model_dir, tiny_corpus, flag, value)

@@ -17,6 +17,20 @@ standard errors of the per-sequence means, gathered over the data-parallel ranks
 KL divergence (the data-processing inequality), so ``forget/kl`` <= the full-vocabulary KL. It misses only
 how the mass *inside* the rest bucket is rearranged; ``tests/test_kl_cache.py`` measures how close it is.
 
+**In parts.** ``forget/kl`` compares the initial model, unquantized, with the current one, quantized: it holds
+what training moved *and* what HiF8 changes (and the W8A8 forward's noise floor, :mod:`qat_app.eval.noise_floor`).
+With ``parts`` (the default) each validation batch of the cache is scored once more with quantization off, and
+
+    forget/kl_drift         KL(initial || now, quantization off): what training moved (the forgetting), on the
+                            same partition as forget/kl (a lower bound);
+    forget/kl_quantization  KL(now, quantization off || now, quantization on): what HiF8 changes, over the full
+                            vocabulary (exact: both logits are at hand);
+
+are logged beside it with their intervals (``_low`` / ``_high``). The cost: one more forward over the cache's
+sequences per validation. A model that did not move has drift exactly 0 (its batches are scored as the initial
+model's were); a run without quantization has a quantization part of exactly 0. KL is not additive along a chain,
+so the parts need not sum to ``forget/kl``.
+
 **Storage.** Indices are int32 (vocabularies exceed int16); log-probabilities are float16: a relative error
 of at most 2**-11 per value, and since both sides go through float16 and are renormalised before the KL is
 taken, the KL of a model with itself is exactly 0, and on perturbed models the mean moves by < 1e-4
@@ -51,7 +65,10 @@ from typing import Any
 import torch
 
 from qat_app.errors import ConfigError
-from qat_app.eval.records import FINAL_TOPK_FILE, INITIAL_TOPK_FILE
+from qat_app.eval.records import (FINAL_TOPK_FILE, FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION,
+                                  INITIAL_TOPK_FILE)
+from qat_app.hif8.health import full_kl
+from qat_app.hif8.patch import quantization_off, quantized_linears
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +78,15 @@ INITIAL_FILE, FINAL_FILE = INITIAL_TOPK_FILE, FINAL_TOPK_FILE
 FORMAT = 1
 STORE_DTYPE = torch.float16
 CHUNK_ELEMENTS = 1 << 25  # logits elements scored at a time (128 MiB in float32)
-METRICS = ("forget/kl", "forget/kl_low", "forget/kl_high")
+KL, DRIFT, QUANTIZATION = FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION
+
+
+def with_interval(name: str) -> tuple[str, str, str]:
+    """A logged mean and its 95 % interval: ``name``, ``name_low``, ``name_high``."""
+    return name, f"{name}_low", f"{name}_high"
+
+
+METRICS = with_interval(KL)
 
 
 class TopKCacheError(ValueError):
@@ -203,7 +228,9 @@ def kl_between(file_a: str, file_b: str) -> tuple[float, float, float, int]:
 # ------------------------------------------------------------------------------------------ in a fit
 @dataclass
 class KLResult:
-    """One validation's KL(initial || now): the mean per token, its 95 % interval over sequences."""
+    """One validation's KL(initial || now): the mean per token, its 95 % interval over sequences; with the parts,
+    ``drift`` = KL(initial || now with quantization off) and ``quantization`` = KL(now off || now on), each
+    (mean, low, high)."""
 
     step: int
     mean: float
@@ -211,9 +238,15 @@ class KLResult:
     high: float
     tokens: int
     sequences: int
+    drift: tuple[float, float, float] | None = None
+    quantization: tuple[float, float, float] | None = None
 
     def metrics(self) -> dict[str, float]:
-        return dict(zip(METRICS, (self.mean, self.low, self.high)))
+        out = dict(zip(METRICS, (self.mean, self.low, self.high)))
+        for name, part in ((DRIFT, self.drift), (QUANTIZATION, self.quantization)):
+            if part is not None:
+                out.update(zip(with_interval(name), part))
+        return out
 
 
 def _gather(pl_module, t: torch.Tensor) -> torch.Tensor:
@@ -255,9 +288,12 @@ class InitialKL:
     """
 
     def __init__(self, topk: int = DEFAULT_TOPK, max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str = "",
-                 path: str = INITIAL_FILE) -> None:
+                 path: str = INITIAL_FILE, parts: bool = True) -> None:
         check_settings(topk, max_tokens)
         self.topk, self.max_tokens, self.model_name, self.path = topk, max_tokens, str(model_name), path
+        self.parts = parts
+        self._drift: list[torch.Tensor] = []
+        self._quantization: list[torch.Tensor] = []
         self.header: dict | None = None  # of the cache in use; None: forget/kl is off
         self.tokens = self.indices = self.logprobs = None  # this rank's slice, on the module's device
         self.last: KLResult | None = None
@@ -359,9 +395,11 @@ class InitialKL:
         self.active = (self.enabled and trainer.state.fn == "fit" and not trainer.sanity_checking
                        and trainer.global_step > 0)
         self._seen, self._sums, self._logq, self._mismatch = 0, [], [], None
+        self._drift, self._quantization = [], []
 
-    def update(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        """One LM validation batch (in loader order): device operations only, no host sync."""
+    def update(self, input_ids: torch.Tensor, logits: torch.Tensor, model: torch.nn.Module | None = None) -> None:
+        """One LM validation batch (in loader order): device operations only, no host sync. With ``model`` (the
+        one that gave ``logits``) and ``parts``, the batch is scored again with quantization off for the parts."""
         if not self.active:
             return
         start, n = self._seen, input_ids.shape[0]
@@ -376,6 +414,21 @@ class InitialKL:
         logq = logprobs_at(logits[:take, :L], self.indices[rows]).to(STORE_DTYPE)
         self._sums.append(coarse_kl(self.logprobs[rows], logq).sum(-1))
         self._logq.append(logq)
+        if self.parts and model is not None:
+            self._score_parts(input_ids, logits, model, rows, take, L)
+
+    def _score_parts(self, input_ids, logits, model, rows, take: int, L: int) -> None:
+        """Drift on the cache's partition (a lower bound, like ``forget/kl``); quantization over the full vocabulary
+        (exact: both logits are at hand). The whole batch is scored again, as the initial model was, so a model
+        that did not change gives the initial log-probs bit for bit (drift exactly 0)."""
+        if quantized_linears(model):
+            with quantization_off(model):
+                off = model(input_ids=input_ids).logits[:take, :L]
+        else:  # nothing to switch off: the same forward
+            off = logits[:take, :L]
+        drift_logq = logprobs_at(off, self.indices[rows]).to(STORE_DTYPE)
+        self._drift.append(coarse_kl(self.logprobs[rows], drift_logq).sum(-1))
+        self._quantization.append(full_kl(off, logits[:take, :L]).sum(-1).float())
 
     def finish(self, pl_module, log_dir: str | None) -> KLResult | None:
         """A validation ends: reduce over the ranks, write ``<log_dir>/final_topk.pt`` (rank 0), -> the result."""
@@ -395,10 +448,12 @@ class InitialKL:
             return None
         sums = _gather(pl_module, torch.cat(self._sums)).flatten()
         mean, low, high = interval(sums.double() / L)
+        drift, quantization = (interval(_gather(pl_module, torch.cat(part)).flatten().double() / L) if part else None
+                               for part in (self._drift, self._quantization))
         step = pl_module.trainer.global_step
-        self.last = KLResult(step, mean, low, high, int(sums.numel() * L), int(sums.numel()))
+        self.last = KLResult(step, mean, low, high, int(sums.numel() * L), int(sums.numel()), drift, quantization)
         logq = _gather(pl_module, torch.cat(self._logq)).flatten(0, 1)
-        self._sums, self._logq = [], []
+        self._sums, self._logq, self._drift, self._quantization = [], [], [], []
         if log_dir is not None and pl_module.trainer.is_global_zero:
             header = {**self.header, "kind": "final", "global_step": int(step)}
             header.pop("payload_sha256", None)

@@ -69,6 +69,13 @@ class NoiseFloor:
                 f"{', '.join(map(str, self.seeds))}): KL {self.kl.difference:.5f} [{self.kl.low:.5f}, {self.kl.high:.5f}] "
                 f"nats/token; perplexity ratios {ratios}")
 
+    def to_dict(self) -> dict:
+        """The floor as JSON values (the files of ``export --compare``, the engine check and a fit)."""
+        return {"quantized": self.quantized, "relative": self.relative, "seeds": list(self.seeds),
+                "kl": stats.jsonable(self.kl),
+                "perplexity_ratios": [list(r) for r in self.perplexity_ratios], "seconds": self.seconds,
+                "note": self.note}
+
     def verdict(self, result: stats.PairedResult) -> str:
         """Words for a KL comparison read against this floor."""
         if not self.quantized:
@@ -139,3 +146,70 @@ def noise_floor(model: nn.Module, batches: list[torch.Tensor], seeds=DEFAULT_SEE
         ratios.append((math.exp(nll.difference), math.exp(nll.low), math.exp(nll.high)))
     return NoiseFloor(quantized=True, relative=relative, seeds=seeds, kl=stats.clustered_mean(kl, clusters),
                       perplexity_ratios=ratios, seconds=time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------------------ benchmark answers
+@dataclass
+class AnswerFlips:
+    """Benchmark answers the perturbation changes. Per task: the examples scored and, per seed, how many answers
+    differ from the unperturbed model's: ``acc_norm`` ones (argmax of the length-normalised log-likelihood,
+    lm-eval's headline) and ``acc`` ones (argmax of the log-likelihood)."""
+
+    seeds: tuple[int, ...]
+    examples: dict[str, int]
+    flips_norm: dict[str, list[int]]
+    flips: dict[str, list[int]]
+    seconds: float = 0.0
+
+    def total(self, norm: bool = True) -> tuple[int, list[int]]:
+        """-> (examples over all tasks, answers changed per seed)."""
+        per_task = self.flips_norm if norm else self.flips
+        return sum(self.examples.values()), [sum(per_task[t][i] for t in per_task) for i in range(len(self.seeds))]
+
+    def describe(self) -> str:
+        n, changed = self.total()
+        tasks = "; ".join(f"{t} {'/'.join(map(str, self.flips_norm[t]))} of {self.examples[t]}" for t in self.examples)
+        return (f"benchmark answers (acc_norm) changed by the perturbation, seeds {', '.join(map(str, self.seeds))}: "
+                f"{'/'.join(map(str, changed))} of {n} ({tasks})")
+
+    def to_dict(self) -> dict:
+        return {"seeds": list(self.seeds), "seconds": self.seconds,
+                "tasks": {t: {"examples": self.examples[t], "flips_acc_norm": self.flips_norm[t],
+                              "flips_acc": self.flips[t]} for t in self.examples}}
+
+
+def _answers(model: nn.Module, loaders, task_names: list[str]) -> dict[str, dict[int, tuple[int, int]]]:
+    """{task: {example id: (acc answer, acc_norm answer)}} over every loader (all ranks' examples when distributed)."""
+    from .evaluator import BenchmarkEvaluator, move_batch
+
+    device = next(model.parameters()).device
+    evaluator = BenchmarkEvaluator(task_names).to(device)
+    for loader in loaders:
+        for batch in loader:
+            evaluator.update(model, move_batch(batch, device))
+    _, records = evaluator.compute_with_records()
+    return {task: {int(i): (int(a), int(b)) for i, a, b in zip(r["example_id"].tolist(), r["pred"].tolist(),
+                                                               r["pred_norm"].tolist())}
+            for task, r in records.items()}
+
+
+@torch.no_grad()
+def answer_flips(model: nn.Module, loaders, task_names: list[str], seeds=DEFAULT_SEEDS,
+                 relative: float = DEFAULT_RELATIVE) -> AnswerFlips:
+    """How many of the benchmark answers of ``model`` on ``loaders`` (benchmark batches, as
+    :class:`qat_app.eval.evaluator.BenchmarkEvaluator` scores them) change under the perturbation, per seed."""
+    relative, seeds = check_settings(relative, seeds)
+    started = time.perf_counter()
+    model.eval()
+    reference = _answers(model, loaders, task_names)
+    examples = {task: len(answers) for task, answers in reference.items()}
+    flips_norm: dict[str, list[int]] = {task: [] for task in reference}
+    flips: dict[str, list[int]] = {task: [] for task in reference}
+    for seed in seeds:
+        with perturbed_inputs(model, relative, seed):
+            perturbed = _answers(model, loaders, task_names)
+        for task, answers in reference.items():
+            other = perturbed.get(task, {})
+            flips[task].append(sum(other.get(i, (None, None))[0] != a for i, (a, _) in answers.items()))
+            flips_norm[task].append(sum(other.get(i, (None, None))[1] != b for i, (_, b) in answers.items()))
+    return AnswerFlips(seeds, examples, flips_norm, flips, time.perf_counter() - started)

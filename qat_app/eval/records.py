@@ -24,6 +24,9 @@ SAMPLES_DIR = "benchmark_samples"  # per-example benchmark records, in the logge
 # the top-k next-token files of qat_app.eval.kl_cache (named here, where the report can import them without torch)
 INITIAL_TOPK_FILE = "initial_topk.pt"  # in the run directory (trainer.default_root_dir)
 FINAL_TOPK_FILE = "final_topk.pt"  # in the logger's directory
+# the KL-to-the-initial-model metrics of qat_app.eval.kl_cache (each with _low / _high)
+FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION = "forget/kl", "forget/kl_drift", "forget/kl_quantization"
+NOISE_FLOOR_FILE = "noise_floor.json"  # callbacks.noise_floor: the W8A8 forward's floor at the end of a fit (log dir)
 
 
 RECORDS_NAME = re.compile(r"^(val|test)_step(\d+)\.jsonl$")  # the file names records_path writes

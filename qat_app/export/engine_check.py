@@ -389,15 +389,13 @@ def render(check: EngineCheck) -> str:
 
 def write_check(check: EngineCheck, out_dir: str | os.PathLike) -> list[str]:
     """``engine_check.md`` / ``.json`` in ``out_dir`` -> their paths."""
-    from dataclasses import asdict
-
-    from dataclasses import fields, is_dataclass
+    from dataclasses import asdict, fields, is_dataclass
 
     out = Path(out_dir)
     document = {f.name: getattr(check, f.name) for f in fields(check) if f.name != "benchmarks"}
     document = {k: asdict(v) if is_dataclass(v) else v for k, v in document.items()}
     if check.floor is not None:
-        document["floor"]["verdict"] = check.floor.verdict(check.trained.kl_lower_bound)
+        document["floor"] = {**check.floor.to_dict(), "verdict": check.floor.verdict(check.trained.kl_lower_bound)}
     for side in ("trained", "emulation"):
         if check.__dict__[side] is not None:
             document[side]["perplexity_ratio"] = dict(zip(("value", "low", "high"), check.__dict__[side].perplexity_ratio))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,27 +86,13 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits.float()
 
 
-@contextmanager
-def unquantized(model: nn.Module):
-    """The QAT model with weight and activation quantization off (its master weights in high precision); the
-    switches and fallback decisions are restored after."""
-    from ..hif8.patch import quantized_linears, set_quantization
-
-    states = [(layer, layer.get_extra_state()) for _, layer in quantized_linears(model)]
-    set_quantization(model, weights=False, activations=False)
-    try:
-        yield model
-    finally:
-        for layer, state in states:
-            layer.set_extra_state(state)
-
-
 @torch.no_grad()
 def compare_on_text(trained: nn.Module, served: nn.Module, batches: list[torch.Tensor], what: str = "",
                     yardstick: bool = True) -> TextComparison:
     """Per sequence: the mean per-token KL(trained || served) and both mean next-token NLLs; with ``yardstick``
     also KL(trained weights unquantized || trained), for scale."""
     from ..hif8.health import full_kl
+    from ..hif8.patch import quantization_off
 
     kl, nll_trained, nll_served, quantization_kl = [], [], [], []
     for ids in batches:
@@ -117,7 +102,7 @@ def compare_on_text(trained: nn.Module, served: nn.Module, batches: list[torch.T
         nll_trained.append(-a.log_softmax(-1).gather(-1, targets).squeeze(-1).mean(1))
         nll_served.append(-b.log_softmax(-1).gather(-1, targets).squeeze(-1).mean(1))
         if yardstick:
-            with unquantized(trained):
+            with quantization_off(trained):
                 quantization_kl.append(full_kl(_logits(trained, ids)[:, :-1], a).mean(1))
     per_sequence = torch.cat(kl).double().numpy()
     return TextComparison(
@@ -216,11 +201,6 @@ def render(comparison: ServedComparison, title: str = "Served (FP8 E4M3, compres
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _jsonable(result) -> dict | None:
-    return None if result is None else {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                        for k, v in asdict(result).items()}
-
-
 def write_comparison(comparison: ServedComparison, out_dir: str | os.PathLike) -> list[str]:
     """``serving_check.md`` and ``serving_check.json`` in ``out_dir`` -> their paths."""
     out = Path(out_dir)
@@ -228,16 +208,14 @@ def write_comparison(comparison: ServedComparison, out_dir: str | os.PathLike) -
     if comparison.text is not None:
         text = comparison.text
         document["text"] = {"what": text.what, "sequences": text.sequences, "tokens": text.tokens,
-                            "kl": _jsonable(text.kl), "nll": _jsonable(text.nll),
-                            "quantization_kl": _jsonable(text.quantization_kl),
+                            "kl": stats.jsonable(text.kl), "nll": stats.jsonable(text.nll),
+                            "quantization_kl": stats.jsonable(text.quantization_kl),
                             "noise_floor": None if text.floor is None else {
-                                "kl": _jsonable(text.floor.kl), "perplexity_ratios": text.floor.perplexity_ratios,
-                                "relative": text.floor.relative, "seeds": list(text.floor.seeds),
-                                "verdict": text.floor.verdict(text.kl), "seconds": text.floor.seconds},
+                                **text.floor.to_dict(), "verdict": text.floor.verdict(text.kl)},
                             "perplexity": dict(zip(("trained", "served"), text.perplexities)),
                             "perplexity_ratio": dict(zip(("value", "low", "high"), text.perplexity_ratio))}
     if comparison.benchmarks is not None:
-        document["benchmarks"] = {task: {name: _jsonable(r) for name, r in results.items()}
+        document["benchmarks"] = {task: {name: stats.jsonable(r) for name, r in results.items()}
                                   for task, results in comparison.benchmarks.items()}
     (out / CHECK_JSON).write_text(json.dumps(document, indent=1))
     (out / CHECK_MARKDOWN).write_text(render(comparison))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -181,3 +182,18 @@ def set_quantization(
             module.quantize_weights = weights
         if activations is not None:
             module.quantize_activations = activations
+
+
+@contextmanager
+def quantization_off(model: nn.Module):
+    """``model`` with weight, activation and gradient quantization off in every quantized layer (its master weights
+    in high precision: the model as if never quantized); each layer's switches are restored on exit. Fallback
+    decisions are untouched (they only choose a scaler)."""
+    layers = [layer for _, layer in quantized_linears(model)]
+    switches = [(layer.quantize_weights, layer.quantize_activations, layer.quantize_grads) for layer in layers]
+    set_quantization(model, weights=False, activations=False, grads=False)
+    try:
+        yield model
+    finally:
+        for layer, (weights, activations, grads) in zip(layers, switches):
+            layer.quantize_weights, layer.quantize_activations, layer.quantize_grads = weights, activations, grads

@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import stats
 from .compare import (arc_check, benchmark_keys, check_pair, compare_metric, evaluate_run, is_main_metric, loss_ape,
                       saturation_stats)
-from .distortion import kl_baseline_qat
+from .distortion import forget_kl_parts, kl_baseline_qat, noise_floor_of
 from .figures import FIGURES, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
 from .health import health_stats, whatif_stats
 from .health_figures import HEALTH_FIGURES, plot_sqnr_heatmap, plot_tiers, plot_whatif
@@ -110,7 +110,8 @@ def build_report(
             "final_val_loss": run.last("val/loss"), "saturation": saturation_stats(run), "arc_check": arc_check(rows),
             "quantized_modules": inventory_stats(run),
             "whatif": whatif_stats(run), "health": health_stats(run),
-            "kl_baseline_qat": kl_baseline_qat(baseline, run),
+            "kl_baseline_qat": kl_baseline_qat(baseline, run), "noise_floor": noise_floor_of(run),
+            "forget_kl": forget_kl_parts(run),
             "measures": {name: m for name, m in (("forgetting", forgetting_measures),
                                                  ("quantization", compare_measures(base_eval, q_eval, tasks)),
                                                  ("total", compare_measures(initial, q_eval, tasks))) if m},

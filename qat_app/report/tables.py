@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from .compare import COMPARISONS, Evaluation
-from .distortion import render_distortion
+from .distortion import render_distortion, render_floor
 from .health import health_scalars, render_fallback, render_health, render_whatif
 from .measures_table import MEASURE_CSV_COLUMNS, csv_rows, has_measures, render_measures
 from ..hif8.inventory import INVENTORY_FILE, block_ranges
@@ -104,6 +104,7 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
     if has_measures(results):
         lines += render_measures(results, [r["label"] for r in results], initial is not None)
     lines += render_distortion(results)
+    lines += render_floor(results)
     since = f", steps ≥ {ape_from_step}" if ape_from_step else ""
     lines += ["", "## Training loss", "", f"| run | train-loss APE % (common steps{since}) | final train loss | final val loss |",
               "|---|---:|---:|---:|",
