@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             if export_main(flags) != 0:
                 return 2
             times["export"] = time.perf_counter() - started
-        from qat_app.export.cli import _datamodule
+        from qat_app.export.cli import _datamodule, run_floor
         from qat_app.export.qat_checkpoint import load_qat_checkpoint
         from qat_app.inspection import text_batches
 
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         check = engine_check.check_with_engine(module, out, blocks, benchmarks, python=python, top_k=args.top_k,
                                                  dtype=args.engine_dtype)
         check.seconds = {**times, **check.seconds}
+        check.run_floor = run_floor(["--config", args.config])
     except (QATError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -66,7 +66,9 @@ LAYOUT = {
     },
     "forgetting": {
         "benchmark differences to the initial model": _multiline(r"forget/(?!kl).*"),
-        "KL to the initial model (held-out text)": _multiline(r"forget/kl.*"),
+        "KL to the initial model (held-out text)": _multiline(r"forget/kl(_low|_high)?$"),
+        "its parts: drift (training) and quantization (HiF8), the noise floor": _multiline(
+            r"forget/kl_(drift|quantization).*", r"noise_floor/kl.*"),
     },
     "memory": {
         "breakdown (MiB)": _multiline(*(_exact(t) for t in (PARAMS_MB, GRADS_MB, OPTIMIZER_MB, ACTIVATIONS_PEAK_MB))),

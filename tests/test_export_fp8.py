@@ -279,9 +279,18 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-dtype", "int8", "--config", config]) == 2
     assert "--compare-dtype" in capsys.readouterr().err and not out.exists()
+    # the run's noise floor beside its config (as a fit writes it): its answers changed go beside the served flips
+    from qat_app.eval.noise_floor import AnswerFlips
+
+    flips = AnswerFlips((0, 1, 2), {"arc_challenge": 12, "mmlu": 12}, {"arc_challenge": [0, 1, 0], "mmlu": [1, 1, 1]},
+                        {"arc_challenge": [2, 0, 1], "mmlu": [0, 0, 3]})
+    floor_file = tmp_path / "noise_floor.json"
+    floor_file.write_text(json.dumps({"text": {"kl": {"difference": 0.01}}, "benchmarks": flips.to_dict()}))
     assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-batches", "2", "--config", config]) == 0
     printed = capsys.readouterr().out
+    assert "| 2/0/1 of 12 |" in printed and "| 0/0/3 of 12 |" in printed and str(floor_file) in printed
+    assert json.loads((out / CHECK_JSON).read_text())["run_noise_floor"]["file"] == str(floor_file)
     assert "6 linears in FP8 E4M3 (6 w8a8_dynamic)" in printed and "perplexity" in printed
     check = json.loads((out / CHECK_JSON).read_text())
     assert check["text"]["sequences"] == 4 and check["text"]["kl"]["difference"] > 0

@@ -109,3 +109,17 @@ def write_benchmark_records(records: Mapping[str, Mapping[str, torch.Tensor]], d
     write_records(path, rows)
     log.info("benchmark records of %d examples written to %s", len(rows), path)
     return path
+
+
+def read_noise_floor(path: str | os.PathLike) -> dict | None:
+    """A fit's ``noise_floor.json`` (:mod:`callbacks.noise_floor`) with its ``file``; ``{"note": why}`` when it is
+    not one; None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            document = json.load(f)
+        document["text"]["kl"]["difference"]  # noqa: B018  (the one field every reader needs)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return {"note": f"{path}: not a noise-floor file ({type(err).__name__}: {err})"}
+    return {**document, "file": str(path)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
             print(summary_line(args.out, report))
             if datamodule is not None:
                 _compare(module, args.out, datamodule, args.compare_batches, device,
-                         resolve_dtype(args.compare_dtype, field="--compare-dtype"))
+                         resolve_dtype(args.compare_dtype, field="--compare-dtype"), run_floor(lightning_args))
         inventory = Path(args.out) / INVENTORY_FILE
         if inventory.is_file():
             print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
@@ -155,7 +156,20 @@ def _compare_device(name: str) -> torch.device:
     return device
 
 
-def _compare(module, out_dir: str, datamodule, batches: int, device: torch.device, dtype: torch.dtype) -> None:
+def run_floor(lightning_args: list[str]) -> dict | None:
+    """The run's ``noise_floor.json`` beside its ``--config`` (the log directory's ``config.yaml``), if any."""
+    from ..eval.records import NOISE_FLOOR_FILE, read_noise_floor
+
+    for i, arg in enumerate(lightning_args):
+        config = arg.split("=", 1)[1] if arg.startswith("--config=") else (
+            lightning_args[i + 1] if arg == "--config" and i + 1 < len(lightning_args) else None)
+        if config:
+            return read_noise_floor(os.path.join(os.path.dirname(os.path.abspath(config)), NOISE_FLOOR_FILE))
+    return None
+
+
+def _compare(module, out_dir: str, datamodule, batches: int, device: torch.device, dtype: torch.dtype,
+             floor: dict | None = None) -> None:
     from ..inspection import text_batches
     from .served import compare_served, load_served, render, write_comparison
 
@@ -165,6 +179,7 @@ def _compare(module, out_dir: str, datamodule, batches: int, device: torch.devic
     served = load_served(out_dir, dtype=dtype, trust_remote_code=bool(module.hparams.get("trust_remote_code")))
     blocks = None if blocks is None else [ids.to(device) for ids in blocks]
     comparison = compare_served(module.model.to(device), served.to(device), blocks, benchmarks, text_what=what)
+    comparison.run_floor = floor
     comparison.notes.append(f"emulated on {device}: the served side is the export loaded by transformers in "
                             f"{str(dtype).removeprefix('torch.')} (compressed-tensors: E4M3 inputs at the export's scales, "
                             "per token or static, E4M3 weights); vLLM itself runs it in benchmarks/serve_vllm.py"

@@ -239,6 +239,7 @@ class EngineCheck:
     emulated_kl: stats.PairedResult | None = None  # KL(trained || emulation), full vocabulary (--compare's figure)
     bf16_change: stats.PairedResult | None = None  # KL(emulation float32 || emulation bfloat16): the bound's unit
     floor: object = None  # qat_app.eval.noise_floor.NoiseFloor of the trained model on the same text
+    run_floor: dict | None = None  # the run's noise_floor.json: the benchmark answers the arithmetic changes
     accuracies: dict = field(default_factory=dict)
     benchmarks: object = None  # MeasureComparison, trained -> engine
     seconds: dict[str, float] = field(default_factory=dict)
@@ -336,6 +337,7 @@ def render(check: EngineCheck) -> str:
     """Markdown: what the engine served, the text measures (with the emulation beside them and its bound) and
     the benchmarks through lm-eval's vllm backend."""
     from ..eval.measures import verdict
+    from .served import floor_flips, floor_note
 
     versions = ", ".join(f"{k} {v}" for k, v in check.versions.items() if v)
     lines = [f"## Served by the engine ({versions}) vs trained (HiF8 QAT)", "",
@@ -374,14 +376,18 @@ def render(check: EngineCheck) -> str:
     if check.benchmarks is not None:
         lines += ["Benchmarks: lm-eval's `vllm` backend (log-likelihoods) on the export vs the trained model's in-loop "
                   "scores, same examples, engine - trained, 95% CI clustered as the report clusters:", "",
-                  "| task | n | acc trained | acc engine | difference | flips r->w / w->r (McNemar p) | acc_norm difference | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| task | n | acc trained | acc engine | difference | flips r->w / w->r (McNemar p) | acc_norm difference | "
+                  "verdict | acc answers changed by the floor's perturbation, per seed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        floor_tasks = ((check.run_floor or {}).get("benchmarks") or {}).get("tasks") or {}
         for task, results in check.benchmarks.items():
             acc, norm, flips = results.get("acc"), results.get("acc_norm"), results.get("flips_acc")
             flip_text = (f"{flips.right_to_wrong} / {flips.wrong_to_right} (p {flips.mcnemar_p:.2f})"
                          if flips is not None and flips.right_to_wrong is not None else "")
             lines.append(f"| {task} | {acc.n} | {acc.before:.4f} | {acc.after:.4f} | {_ci(acc, '+.4f')} | {flip_text} | "
-                         f"{_ci(norm, '+.4f') if norm else ''} | {verdict('acc', acc)} |")
+                         f"{_ci(norm, '+.4f') if norm else ''} | {verdict('acc', acc)} | "
+                         f"{floor_flips(floor_tasks.get(task))} |")
+        lines += floor_note(check.run_floor, "engine")
         lines.append("")
     lines.append("Times: " + ", ".join(f"{k} {v:.0f} s" for k, v in check.seconds.items()) + ".")
     return "\n".join(lines).rstrip() + "\n"

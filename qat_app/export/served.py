@@ -78,6 +78,8 @@ class TextComparison:
 class ServedComparison:
     text: TextComparison | None = None
     accuracies: dict[str, dict[str, float]] = field(default_factory=dict)  # {side: {metric: value}}
+    # the run's noise_floor.json (qat_app.eval.records.read_noise_floor): benchmark answers the arithmetic changes
+    run_floor: dict | None = None
     benchmarks: Any = None  # MeasureComparison: {task: {measure: PairedResult}}
     notes: list[str] = field(default_factory=list)
 
@@ -186,8 +188,10 @@ def render(comparison: ServedComparison, title: str = "Served (FP8 E4M3, compres
     if comparison.benchmarks is not None:
         lines += ["Benchmarks (the same examples; served - trained, 95% CI clustered as the report clusters):", "",
                   "| task | n | acc trained | acc served | acc difference | flips right->wrong / wrong->right (McNemar p) "
-                  "| acc_norm difference | KL of choices, nats | verdict (acc) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| acc_norm difference | KL of choices, nats | verdict (acc) | acc answers changed by the floor's "
+                  "perturbation, per seed |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        floor_tasks = ((comparison.run_floor or {}).get("benchmarks") or {}).get("tasks") or {}
         for task, results in comparison.benchmarks.items():
             acc, norm, kl = results.get("acc"), results.get("acc_norm"), results.get("kl_choices")
             flips = results.get("flips_acc")
@@ -195,16 +199,33 @@ def render(comparison: ServedComparison, title: str = "Served (FP8 E4M3, compres
                          if flips is not None and flips.right_to_wrong is not None else "")
             lines.append(
                 f"| {task} | {acc.n if acc else ''} | {acc.before:.4f} | {acc.after:.4f} | {_interval(acc)} | {flip_text} | "
-                f"{_interval(norm) if norm else ''} | {_interval(kl, '.5f') if kl else ''} | {verdict('acc', acc)} |")
+                f"{_interval(norm) if norm else ''} | {_interval(kl, '.5f') if kl else ''} | {verdict('acc', acc)} | "
+                f"{floor_flips(floor_tasks.get(task))} |")
+        lines += floor_note(comparison.run_floor, "serving")
         lines.append("")
     lines += [f"- {note}" for note in comparison.notes]
     return "\n".join(lines).rstrip() + "\n"
 
 
+def floor_note(run_floor: dict | None, what: str) -> list[str]:
+    """The line under a benchmark table that names where the floor's answers come from."""
+    if run_floor is None:
+        return []
+    return ["", f"The floor's answers: {run_floor.get('note') or run_floor['file']} (the trained model against itself "
+                f"under a float-rounding-sized perturbation, at the end of its fit): flips of that order are the "
+                f"arithmetic's, not the {what}'s."]
+
+
+def floor_flips(entry: dict | None) -> str:
+    """A task's acc answers changed by the run's floor perturbation, per seed (`2/0/1 of 40`), or ''."""
+    return "" if not entry else f"{'/'.join(map(str, entry['flips_acc']))} of {entry['examples']}"
+
+
 def write_comparison(comparison: ServedComparison, out_dir: str | os.PathLike) -> list[str]:
     """``serving_check.md`` and ``serving_check.json`` in ``out_dir`` -> their paths."""
     out = Path(out_dir)
-    document: dict[str, Any] = {"notes": comparison.notes, "accuracies": comparison.accuracies}
+    document: dict[str, Any] = {"notes": comparison.notes, "accuracies": comparison.accuracies,
+                                "run_noise_floor": comparison.run_floor}
     if comparison.text is not None:
         text = comparison.text
         document["text"] = {"what": text.what, "sequences": text.sequences, "tokens": text.tokens,

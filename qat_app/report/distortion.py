@@ -13,10 +13,10 @@ BF16-vs-QAT difference inside it is said to be within the noise of the arithmeti
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ..eval.records import FINAL_TOPK_FILE, FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION, NOISE_FLOOR_FILE
+from ..eval.records import (FINAL_TOPK_FILE, FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION, NOISE_FLOOR_FILE,
+                            read_noise_floor)
 from .runs import Run
 
 
@@ -36,14 +36,7 @@ def final_topk(run: Run) -> Path | None:
 def noise_floor_of(run: Run) -> dict | None:
     """The run's ``noise_floor.json`` (with its path), ``{note}`` when unreadable, None when it has none."""
     path = newest_file(run, NOISE_FLOOR_FILE)
-    if path is None:
-        return None
-    try:
-        document = json.loads(path.read_text())
-        document["text"]["kl"]["difference"]  # noqa: B018  (the one field every reader needs)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return {"note": f"{path}: not a noise-floor file ({type(err).__name__}: {err})"}
-    return {**document, "file": str(path)}
+    return None if path is None else read_noise_floor(path)
 
 
 KL_PARTS = ((FORGET_KL, "KL(initial ‖ final)"), (FORGET_KL_DRIFT, "drift: KL(initial ‖ final, quantization off)"),
