@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the dtype vLLM serves in (default bfloat16, as users serve)")
     parser.add_argument("--dtype", default=None, help="the export's --dtype of the unquantized tensors")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="let transformers run the model's own code (never taken from the checkpoint)")
     args, data_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     times = {}
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             flags = ["--ckpt", args.ckpt, "--out", args.out, "--format", "compressed-tensors",
                      "--serve-target", args.serve_target] + (["--overwrite"] if args.reexport else []) + \
+                (["--trust_remote_code"] if args.trust_remote_code else []) + \
                 (["--dtype", args.dtype] if args.dtype else [])
             if export_main(flags) != 0:
                 return 2
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         datamodule = _datamodule(["--config", args.config, *data_args])
         blocks, _ = text_batches(datamodule, "auto", args.batches)
         benchmarks = None if args.no_benchmarks else getattr(datamodule, "benchmarks", None)
-        module = load_qat_checkpoint(args.ckpt)
+        module = load_qat_checkpoint(args.ckpt, trust_remote_code=args.trust_remote_code)
         check = engine_check.check_with_engine(module, out, blocks, benchmarks, python=python, top_k=args.top_k,
                                                  dtype=args.engine_dtype)
         check.seconds = {**times, **check.seconds}

@@ -11,7 +11,9 @@ It also keeps the initial model's top-k next-token log-probabilities on the firs
 benchmarks), so every later validation of the fit logs ``forget/kl`` (KL(initial || now) per token, a lower
 bound of the full-vocabulary KL) and ``forget/kl_low`` / ``forget/kl_high`` (its 95 % interval over
 sequences), and its parts ``forget/kl_drift`` (training) and ``forget/kl_quantization`` (HiF8) with theirs.
-A resumed fit reads the cache back from ``<default_root_dir>/initial_topk.pt``.
+The cache belongs to its run: a new fit writes it in its logger version's directory
+(``<log_dir>/initial_topk.pt``), and its checkpoints name it, so a resumed fit reads back its own even when
+another fit has since run in the same directory (a checkpoint of an older main: ``<default_root_dir>``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 class InitialEvaluationCallback(L.Callback):
     """Args:
         enabled: validate at step 0 when benchmarks are configured.
-        kl: keep the initial model's top-k cache (``<default_root_dir>/initial_topk.pt``) and log ``forget/kl``
+        kl: keep the initial model's top-k cache (``<log_dir>/initial_topk.pt``) and log ``forget/kl``
             at every later validation of the fit (needs held-out LM blocks, ``data.val_documents > 0``).
         topk: next tokens kept per position (k); the rest of the vocabulary is one bucket.
         max_kl_tokens: positions kept at most (whole sequences): 262144 = 256 sequences at seq 1024, 51.9 MB
@@ -45,12 +47,43 @@ class InitialEvaluationCallback(L.Callback):
         check_settings(topk, max_kl_tokens)
         self.enabled = enabled
         self.kl, self.topk, self.max_kl_tokens, self.kl_parts = kl, topk, max_kl_tokens, kl_parts
+        self._saved_cache: dict | None = None  # the checkpoint's record of the run's cache (a resumed fit)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.kl and stage == "fit" and hasattr(pl_module, "forget_kl"):
             model_name = getattr(pl_module, "hparams", {}).get("model_name", "")
-            pl_module.forget_kl = InitialKL(self.topk, self.max_kl_tokens, model_name,
-                                            os.path.join(trainer.default_root_dir, INITIAL_FILE), parts=self.kl_parts)
+            # the path is the run's own, decided in on_train_start (a new fit's log version, or the checkpoint's)
+            pl_module.forget_kl = InitialKL(self.topk, self.max_kl_tokens, model_name, INITIAL_FILE,
+                                            parts=self.kl_parts)
+            self._root = trainer.default_root_dir
+
+    # ------------------------------------------------------------------------- whose cache (checkpointed)
+    def state_dict(self) -> dict:
+        """Which cache this run took: its path relative to the run directory (a copied run directory keeps
+        finding its own) and its payload's sha256 (a replaced file is refused on resume)."""
+        tracker = getattr(self, "_tracker", None)
+        if tracker is None or not tracker.enabled:
+            return {}
+        root = getattr(self, "_root", None) or "."
+        path = os.path.abspath(tracker.path)
+        inside = path.startswith(os.path.abspath(root) + os.sep)
+        return {"kl_cache": os.path.relpath(path, root) if inside else path,
+                "kl_cache_sha256": tracker.header.get("payload_sha256")}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._saved_cache = dict(state_dict) if state_dict.get("kl_cache") else None
+
+    def cache_path(self, trainer: L.Trainer) -> tuple[str, str | None]:
+        """-> (the run's cache file, the sha256 its payload must have or None). A new fit writes its own, in its
+        logger version's directory (two fits in one run directory never share one); a resumed fit reads the one
+        its checkpoint names; a checkpoint of an older main names none: ``<default_root_dir>/initial_topk.pt``."""
+        root = trainer.default_root_dir
+        if trainer.global_step == 0:
+            return os.path.join(trainer.log_dir or root, INITIAL_FILE), None  # log_dir: a broadcast, every rank
+        if self._saved_cache:
+            path = self._saved_cache["kl_cache"]
+            return (path if os.path.isabs(path) else os.path.join(root, path)), self._saved_cache.get("kl_cache_sha256")
+        return os.path.join(root, INITIAL_FILE), None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._initial_kl(trainer, pl_module)
@@ -80,11 +113,13 @@ class InitialEvaluationCallback(L.Callback):
                 pl_module.forget_kl = None
             return
         blocks, batch_size, scored = held_out
+        tracker.path, expected_sha = self.cache_path(trainer)
+        self._tracker = tracker
         if trainer.global_step == 0:
             with quantization_off(pl_module):
                 tracker.record(pl_module, blocks, batch_size, limit=scored)
         else:
-            tracker.resume(pl_module, blocks)
+            tracker.resume(pl_module, blocks, expected_sha)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         tracker = getattr(pl_module, "forget_kl", None)

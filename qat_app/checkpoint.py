@@ -28,16 +28,44 @@ the data stream was split over) and ``warmup.warmup_steps`` -- is refused when c
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
+import pickle
+import re
 from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .config import QuantConfig
+from .errors import CheckpointError, UnsafeFileError
 
 log = logging.getLogger(__name__)
+
+# What a file may hold is data: every load here is weights-only (torch's default since 2.6), and so is
+# Lightning's own. The one allowlist: the classes older mains pickled into checkpoints (a hand-written
+# QuantConfig in the hyper-parameters; today's store a plain dict). For every load of the process, Lightning's too.
+LEGACY_PICKLED_CLASSES = (QuantConfig,)
+torch.serialization.add_safe_globals(list(LEGACY_PICKLED_CLASSES))
+UNSAFE_FLAG = "--weights_only false"
+
+
+def unsafe_file_error(path: str, err: BaseException, flag: str = UNSAFE_FLAG) -> UnsafeFileError:
+    """The one line for a file a weights-only load refused: the file, the first global it names, the flag."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    what = f"a pickled reference to {found.group(1)}" if found else "pickled objects"
+    return UnsafeFileError(f"{path} holds {what}, which a weights-only load refuses: loading it could run code the "
+                           f"file carries. Load it only if you trust where it came from, with {flag}")
+
+
+def torch_load(path: str, weights_only: bool | None = None, flag: str = UNSAFE_FLAG, **kwargs):
+    """``torch.load`` on CPU, weights-only unless ``weights_only is False``; a refused pickle is
+    :class:`UnsafeFileError` (one line naming the file, the global and ``flag``)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only is not False, **kwargs)
+    except pickle.UnpicklingError as err:
+        if weights_only is not False and "Weights only load failed" in str(err):
+            raise unsafe_file_error(path, err, flag) from None
+        raise
 
 # model hyperparameters a resume may change (the new value is used, with a warning); any other is refused
 SOFT_MODEL_SETTINGS = ("lr", "weight_decay", "betas", "eps", "lr_schedule", "lr_warmup_steps", "min_lr_ratio",
@@ -135,8 +163,10 @@ def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_s
         try:
             return path, validate_resume_checkpoint(path, module, weights_only, need_training_state, datamodule,
                                                     trainer, warmup), refused
-        except ResumeSettingsError:
-            raise  # intact, but not this run's settings: an older checkpoint would not be either
+        except (ResumeSettingsError, UnsafeFileError):
+            # intact, but not this run's settings: an older checkpoint would not be either; or a file that
+            # carries code: said, not passed over for an older one
+            raise
         except CheckpointError as err:
             refused.append((path, str(err)))
     return None, None, refused
@@ -155,8 +185,10 @@ def _load_sharded_checkpoint(path: str, weights_only: bool | None) -> dict[str, 
 
     meta_file = os.path.join(path, "meta.pt")
     try:
-        ckpt = torch.load(meta_file, map_location="cpu", weights_only=weights_only) if os.path.isfile(meta_file) else {}
+        ckpt = torch_load(meta_file, weights_only) if os.path.isfile(meta_file) else {}
         metadata = FileSystemReader(path).read_metadata()
+    except UnsafeFileError:
+        raise
     except Exception as e:
         raise CheckpointError(f"sharded checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is incomplete "
                               "(the job died while writing it?) or corrupt. Resume from an earlier checkpoint.") from e
@@ -205,11 +237,13 @@ def load_checkpoint_file(path: str, weights_only: bool | None = None) -> dict[st
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was truncated while being written")
     try:
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+            ckpt = torch_load(path, weights_only, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            ckpt = torch.load(path, map_location="cpu", weights_only=weights_only)  # legacy (non-zip) format
+            ckpt = torch_load(path, weights_only)  # legacy (non-zip) format
+    except UnsafeFileError:
+        raise
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(

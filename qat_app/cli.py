@@ -122,8 +122,15 @@ class QATCLI(LightningCLI):
         weights_only = self.config[subcommand].get("weights_only")
         if not check_given_checkpoint(ckpt_path, subcommand, weights_only, module_class=QATModule):
             return
+        if weights_only is False:  # Lightning reads the settings weights-only, which this file needs not to be
+            log.warning("--ckpt_path %s: its model settings are not read (--weights_only false; Lightning reads them "
+                        "weights-only): the configured ones are used", ckpt_path)
+            return
         configured = settings_dict(self.config[subcommand].get("model"))
         super()._parse_ckpt_path()
+        model = self.config[subcommand].get("model")
+        if model is not None and "trust_remote_code" in model:  # the user's choice, never a file's
+            model.trust_remote_code = bool(configured.get("trust_remote_code", False))
         log_replaced_settings(ckpt_path, configured, settings_dict(self.config[subcommand].get("model")))
 
     def instantiate_classes(self) -> None:

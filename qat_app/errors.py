@@ -34,3 +34,7 @@ class ConfigError(QATError, ValueError):
 
 class CheckpointError(QATError, ValueError):
     """A checkpoint cannot be resumed from (unreadable, truncated, not a QATModule checkpoint, other model)."""
+
+
+class UnsafeFileError(CheckpointError):
+    """A file that holds pickled objects a weights-only load refuses (loading it could run code it carries)."""

@@ -263,12 +263,14 @@ def test_fit_logs_forget_kl_at_every_validation_after_step_0(straight):
     assert len(logged) == 3  # steps 2, 4, 6; none at step 0
     for mean, low, high in logged:
         assert 0 < mean and low < mean < high
-    cache = load_topk(str(tmp / INITIAL_FILE))
+    own = os.path.join(trainer.log_dir, INITIAL_FILE)  # the fit's own, in its logger version
+    assert not (tmp / INITIAL_FILE).exists()
+    cache = load_topk(own)
     assert cache.header["sequences"] == 3 and cache.header["positions"] == 32 and cache.header["k"] == 16
     assert cache.indices.shape == (3, 32, 16) and cache.logprobs.shape == (3, 32, 17)
     final = str(os.path.join(trainer.log_dir, FINAL_FILE))
     assert load_topk(final).header["global_step"] == 6
-    mean, low, high, n = kl_between(str(tmp / INITIAL_FILE), final)  # what a report computes
+    mean, low, high, n = kl_between(own, final)  # what a report computes
     assert n == 96 and (mean, low, high) == pytest.approx(logged[-1], rel=1e-5)
     assert trainer.lightning_module.forget_kl.last.step == 6
 
@@ -278,7 +280,7 @@ def test_the_cache_does_not_change_training_and_can_be_turned_off(straight, tmp_
     """Same losses and weights without the cache (its pass draws no RNG and moves no amax history)."""
     _, with_kl = straight
     without = _fit(tmp_path, tiny_model_dir, tiny_corpus, "--initial_eval.kl", "false")
-    assert not (tmp_path / INITIAL_FILE).exists() and _logged_kl(without.log_dir) == []
+    assert not os.path.exists(os.path.join(without.log_dir, INITIAL_FILE)) and _logged_kl(without.log_dir) == []
     assert not os.path.exists(os.path.join(without.log_dir, FINAL_FILE))
     losses = [[r["train/loss"] for r in csv.DictReader(open(os.path.join(t.log_dir, "metrics.csv"))) if r["train/loss"]]
               for t in (with_kl, without)]
@@ -295,13 +297,13 @@ def test_resume_keeps_the_cache_and_logs_what_an_uninterrupted_run_logs(straight
                                                                         tiny_corpus):
     from tests._cli_runs import SimulatedCrash
 
-    straight_dir, straight_trainer = straight
+    _, straight_trainer = straight
     expected = _logged_kl(straight_trainer.log_dir)
     crashed = tmp_path / "run"
     with pytest.raises(SimulatedCrash):
         _fit(crashed, tiny_model_dir, tiny_corpus, crash_at=3)
-    cache = crashed / INITIAL_FILE
-    assert _sha(cache) == _sha(straight_dir / INITIAL_FILE)  # the same initial model, data and settings
+    cache = crashed / "logs" / "version_0" / INITIAL_FILE
+    assert _sha(cache) == _sha(os.path.join(straight_trainer.log_dir, INITIAL_FILE))  # same model, data, settings
     damaged = tmp_path / "damaged"
     shutil.copytree(crashed, damaged)
     before = _sha(cache)
@@ -313,11 +315,12 @@ def test_resume_keeps_the_cache_and_logs_what_an_uninterrupted_run_logs(straight
     assert any(k.startswith("forget/arc_challenge/") for k in straight_forget[max(straight_forget)])
     assert resumed_forget == {s: straight_forget[s] for s in sorted(straight_forget)[-2:]}  # the last two looks
     # a damaged cache: one warning naming it, and the run finishes without forget/kl
-    (damaged / INITIAL_FILE).write_bytes(b"not a cache")
+    (damaged / "logs" / "version_0" / INITIAL_FILE).write_bytes(b"not a cache")
     with caplog.at_level(logging.WARNING, logger="qat_app.eval.kl_cache"):
         run = _fit(damaged, tiny_model_dir, tiny_corpus, "--ckpt_path", "last")
     warnings = [r.getMessage() for r in caplog.records if r.name == "qat_app.eval.kl_cache"]
-    assert len(warnings) == 1 and str(damaged / INITIAL_FILE) in warnings[0] and "damaged" in warnings[0]
+    assert len(warnings) == 1 and str(damaged / "logs" / "version_0" / INITIAL_FILE) in warnings[0]
+    assert "damaged" in warnings[0]
     assert run.global_step == 6 and _logged_kl(run.log_dir) == []
 
 
@@ -390,3 +393,27 @@ def test_a_run_with_quantization_off_has_a_quantization_part_of_exactly_0(tmp_pa
     for step, p in parts.items():
         assert p["forget/kl_quantization"] == p["forget/kl_quantization_high"] == 0.0, step
         assert p["forget/kl_drift"] == p["forget/kl"] > 0, step
+
+
+@pytest.mark.slow
+def test_two_fits_in_one_run_directory_keep_their_own_caches_and_the_first_resumes_with_its_own(
+        straight, tmp_path, tiny_model_dir, tiny_corpus):
+    """Fit A dies at step 3; fit B (other data: seq 16) runs in the same directory; A resumed from its own
+    checkpoint reads its own cache (named in the checkpoint) and logs what the uninterrupted run logs."""
+    from tests._cli_runs import SimulatedCrash
+
+    _, straight_trainer = straight
+    run = tmp_path / "run"
+    with pytest.raises(SimulatedCrash):
+        _fit(run, tiny_model_dir, tiny_corpus, crash_at=3)
+    first = run / "logs" / "version_0" / INITIAL_FILE
+    first_sha = _sha(first)
+    other = _fit(run, tiny_model_dir, tiny_corpus, "--data.init_args.seq_len", "16")
+    second = os.path.join(other.log_dir, INITIAL_FILE)
+    assert other.log_dir.endswith("version_1") and os.path.isfile(second) and _sha(second) != first_sha
+    assert _sha(first) == first_sha and not (run / INITIAL_FILE).exists()  # nothing of A's replaced
+    second_sha = _sha(second)
+    resumed = _fit(run, tiny_model_dir, tiny_corpus, "--ckpt_path", str(run / "ckpt" / "last.ckpt"))
+    assert resumed.global_step == 6 and _sha(first) == first_sha and _sha(second) == second_sha
+    assert resumed.lightning_module.forget_kl.path == str(first)
+    assert _logged_kl(resumed.log_dir) == _logged_kl(straight_trainer.log_dir)[-2:]  # steps 4 and 6, exactly

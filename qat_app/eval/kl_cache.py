@@ -41,7 +41,7 @@ no visible gain. Per token:
 **Size.** At most ``max_tokens`` positions are kept (default 262,144 = 2**18): whole sequences, the first
 ``max_tokens // seq_len`` of them (split evenly over the ranks, at least one per rank; with
 ``seq_len > max_tokens`` the first ``max_tokens`` positions of one sequence). At seq 1024 that is 256
-sequences (the paper's configs validate 6,400), 51.9 MB in ``<default_root_dir>/initial_topk.pt``.
+sequences (the paper's configs validate 6,400), 51.9 MB in ``<log_dir>/initial_topk.pt``.
 
 **Files.** ``initial_topk.pt`` (written once, at step 0, atomically, by rank 0) holds a header (k,
 sequences, positions, tokens, world size, model name, the data fingerprint: a hash of the token ids, the
@@ -284,7 +284,7 @@ class InitialKL:
         topk: tokens kept per position (k, >= 1).
         max_tokens: positions kept at most (>= 1), see the module doc.
         model_name: the model's name, stored in the header (a cache of another model is refused).
-        path: the initial cache file (``<default_root_dir>/initial_topk.pt``).
+        path: the initial cache file (the fit's: :meth:`callbacks.initial_eval.InitialEvaluationCallback.cache_path`).
     """
 
     def __init__(self, topk: int = DEFAULT_TOPK, max_tokens: int = DEFAULT_MAX_TOKENS, model_name: str = "",
@@ -356,9 +356,9 @@ class InitialKL:
                 "data_fingerprint": data, "partition": _digest(indices) + data, "global_step": int(step),
                 "dtype": str(STORE_DTYPE).replace("torch.", "")}
 
-    def resume(self, pl_module, blocks: torch.Tensor) -> None:
-        """A resumed fit: read the cache back and check it is of this model, data and world size; else one
-        warning and ``forget/kl`` stays off."""
+    def resume(self, pl_module, blocks: torch.Tensor, expected_sha256: str | None = None) -> None:
+        """A resumed fit: read the cache back and check it is of this model, data and world size (and, when
+        the checkpoint recorded it, the very payload this run took); else one warning and ``forget/kl`` stays off."""
         trainer = pl_module.trainer
         try:
             cache = load_topk(self.path)
@@ -367,6 +367,8 @@ class InitialKL:
         h = cache.header
         world, rank = trainer.world_size, trainer.global_rank
         foreign = []
+        if expected_sha256 and h.get("payload_sha256") != expected_sha256:
+            foreign.append(f"payload {str(h.get('payload_sha256'))[:12]}, this run's checkpoint names {expected_sha256[:12]}")
         if h.get("kind") != "initial" or cache.tokens is None or cache.indices is None:
             foreign.append(f"kind {h.get('kind')!r}, not an initial cache")
         if h.get("model") != self.model_name:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 SAMPLES_DIR = "benchmark_samples"  # per-example benchmark records, in the logger's directory
 # the top-k next-token files of qat_app.eval.kl_cache (named here, where the report can import them without torch)
-INITIAL_TOPK_FILE = "initial_topk.pt"  # in the run directory (trainer.default_root_dir)
+INITIAL_TOPK_FILE = "initial_topk.pt"  # in the logger's directory of the fit that took it
 FINAL_TOPK_FILE = "final_topk.pt"  # in the logger's directory
 # the KL-to-the-initial-model metrics of qat_app.eval.kl_cache (each with _low / _high)
 FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION = "forget/kl", "forget/kl_drift", "forget/kl_quantization"

@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                              "and on CUDA; cuda: the trained static input scales (closest to training), served by "
                              "vLLM's CUDA kernels only (its CPU kernels cannot run them)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
+    parser.add_argument("--weights_only", type=_boolean, default=True, metavar="true|false",
+                        help="load the checkpoint as data only (default true; torch's weights-only unpickler). "
+                             "false runs whatever the file pickled: only for a file you trust")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="let transformers run the model's own code from its hub or local directory (never "
+                             "turned on by what a checkpoint or an export holds)")
     parser.add_argument("--compare", action="store_true",
                         help=f"{FORMAT_NAME}: emulate the served forward on the CPU and compare it with the QAT model on "
                              "the run's held-out text and benchmarks (give the run's --config; other LightningCLI "
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
                 resolve_dtype(value, field=flag)
         if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
             raise FileExistsError(f"{args.out} already exists and is not empty; pass --overwrite to replace it")
-        module = load_qat_checkpoint(args.ckpt)
+        module = load_qat_checkpoint(args.ckpt, weights_only=args.weights_only, trust_remote_code=args.trust_remote_code)
         storage, why = run_dtype(module)
         if args.format != "hf":
             _say_storage(args.dtype, storage, why)
@@ -156,6 +162,13 @@ def _compare_device(name: str) -> torch.device:
     return device
 
 
+def _boolean(value: str) -> bool:
+    lowered = str(value).lower()
+    if lowered not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return lowered == "true"
+
+
 def run_floor(lightning_args: list[str]) -> dict | None:
     """The run's ``noise_floor.json`` beside its ``--config`` (the log directory's ``config.yaml``), if any."""
     from ..eval.records import NOISE_FLOOR_FILE, read_noise_floor
@@ -177,6 +190,7 @@ def _compare(module, out_dir: str, datamodule, batches: int, device: torch.devic
     benchmarks = getattr(datamodule, "benchmarks", None) if pretraining else datamodule
     blocks, what = text_batches(datamodule, "auto", batches) if pretraining else (None, "")
     served = load_served(out_dir, dtype=dtype, trust_remote_code=bool(module.hparams.get("trust_remote_code")))
+    # (module.hparams.trust_remote_code is the command line's --trust_remote_code: load_qat_checkpoint set it)
     blocks = None if blocks is None else [ids.to(device) for ids in blocks]
     comparison = compare_served(module.model.to(device), served.to(device), blocks, benchmarks, text_what=what)
     comparison.run_floor = floor

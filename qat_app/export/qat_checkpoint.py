@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 
 from ..config import QuantConfig
 from ..errors import CheckpointError
 
+log = logging.getLogger(__name__)
 
-def load_qat_checkpoint(path: str | os.PathLike):
+
+def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trust_remote_code: bool = False):
     """A ``QATModule`` restored from a Lightning checkpoint (hyper-parameters + state dict), in eval mode.
 
-    Raises :class:`qat_app.errors.CheckpointError` naming the file when it is unreadable or truncated, or
-    not a QATModule checkpoint.
+    The file is read as data (``weights_only``; the classes older mains pickled are allowlisted in
+    :mod:`qat_app.checkpoint`); ``trust_remote_code`` is the caller's, whatever the checkpoint's hyper-parameters
+    say. Raises :class:`qat_app.errors.CheckpointError` naming the file when it is unreadable or truncated, not a
+    QATModule checkpoint, or (:class:`qat_app.errors.UnsafeFileError`) holds pickled code.
     """
     from ..checkpoint import load_checkpoint_file
     from ..module import CHECKPOINT_KEY, QATModule
@@ -21,8 +26,7 @@ def load_qat_checkpoint(path: str | os.PathLike):
     path = str(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist (--ckpt)")
-    # checkpoints of older mains pickled a QuantConfig object in the hyper-parameters: a full unpickling
-    ckpt = load_checkpoint_file(path, weights_only=False)
+    ckpt = load_checkpoint_file(path, weights_only=weights_only)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
     hparams = ckpt.get("hyper_parameters") or {}
@@ -35,6 +39,9 @@ def load_qat_checkpoint(path: str | os.PathLike):
         )
     accepted = set(inspect.signature(QATModule.__init__).parameters) - {"self"}
     kwargs = {k: v for k, v in dict(hparams).items() if k in accepted}
+    if kwargs.get("trust_remote_code") and not trust_remote_code:
+        log.info("%s: its hyper-parameters ask for trust_remote_code; not taken from a file (--trust_remote_code)", path)
+    kwargs["trust_remote_code"] = bool(trust_remote_code)
     if kwargs.get("quant") is not None:  # a plain dict (today), or an older main's pickled QuantConfig
         kwargs["quant"] = QuantConfig.coerce(kwargs["quant"])
     module = QATModule(**kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from ..hif8.quantized import QuantizedMatmul
 from ..models import resolve_dtype
 from .layout import LAYOUT_FILE, ROLE_BUFFER, ROLE_CODES, ROLE_SCALE, ExportError, read_layout, read_weights
 
+log = logging.getLogger(__name__)
+
+
 class HiF8ExportedLinear(HiF8Linear):
     """A ``HiF8Linear`` loaded from an 8-bit export; its weight holds ``decode(codes) / scale``.
 
@@ -31,7 +35,7 @@ class HiF8ExportedLinear(HiF8Linear):
     """
 
 
-def _build_model(out_dir: Path, layout: dict, dtype, trust_remote_code: bool | None) -> nn.Module:
+def _build_model(out_dir: Path, layout: dict, dtype, trust_remote_code: bool) -> nn.Module:
     """The model of ``config.json``, uninitialized (every tensor is loaded afterwards, strictly checked)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -40,7 +44,10 @@ def _build_model(out_dir: Path, layout: dict, dtype, trust_remote_code: bool | N
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
 
-    remote = layout.get("trust_remote_code", False) if trust_remote_code is None else trust_remote_code
+    remote = bool(trust_remote_code)  # the caller's choice: never what the export's layout says
+    if layout.get("trust_remote_code") and not remote:
+        log.info("%s: the exported model names its own code (trust_remote_code); not run without "
+                 "trust_remote_code=True from the caller", out_dir)
     if not (out_dir / "config.json").is_file():
         raise FileNotFoundError(f"{out_dir / 'config.json'}: missing (named by {out_dir / LAYOUT_FILE})")
     config = AutoConfig.from_pretrained(str(out_dir), trust_remote_code=remote)
@@ -187,9 +194,11 @@ def load_hif8(
     *,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    trust_remote_code: bool | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Rebuild the QAT model of an :func:`export_hif8` directory (eval mode, quantized layers patched).
+    ``trust_remote_code``: let transformers run a model's own code (the caller's choice; the export's
+    ``hif8_layout.json`` records whether the model needs it, but is not obeyed).
 
     ``dtype``: parameter dtype of the rebuilt model (default: the exported model's). The tokenizer, if
     one was exported, loads with ``AutoTokenizer.from_pretrained(out_dir)``.
