@@ -104,6 +104,12 @@ def _report_numbers(out_dir: Path) -> dict:
         run["saturation"] = {k: v for k, v in run["saturation"].items() if k != "source"}  # a file path
         if run.get("kl_baseline_qat"):
             run["kl_baseline_qat"] = {k: v for k, v in run["kl_baseline_qat"].items() if k != "files"}  # paths
+        floor = run.get("noise_floor")
+        if floor and "text" in floor:  # its file's path and the seconds it took are not the run's numbers
+            run["noise_floor"] = {**{k: v for k, v in floor.items() if k not in ("file", "seconds")},
+                                  "text": {k: v for k, v in floor["text"].items() if k != "seconds"},
+                                  "benchmarks": {k: v for k, v in (floor.get("benchmarks") or {}).items()
+                                                 if k != "seconds"}}
     return {"baseline": report["baseline"]["benchmarks"], "initial": report["initial"]["benchmarks"], "qat": qat}
 
 
