@@ -48,6 +48,8 @@ class InitialEvaluationCallback(L.Callback):
         self.enabled = enabled
         self.kl, self.topk, self.max_kl_tokens, self.kl_parts = kl, topk, max_kl_tokens, kl_parts
         self._saved_cache: dict | None = None  # the checkpoint's record of the run's cache (a resumed fit)
+        self._tracker: InitialKL | None = None  # the fit's cache in use (its state_dict names it)
+        self._root: str = "."  # the run directory the cache's path is relative to
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.kl and stage == "fit" and hasattr(pl_module, "forget_kl"):
@@ -61,10 +63,9 @@ class InitialEvaluationCallback(L.Callback):
     def state_dict(self) -> dict:
         """Which cache this run took: its path relative to the run directory (a copied run directory keeps
         finding its own) and its payload's sha256 (a replaced file is refused on resume)."""
-        tracker = getattr(self, "_tracker", None)
+        tracker, root = self._tracker, self._root
         if tracker is None or not tracker.enabled:
             return {}
-        root = getattr(self, "_root", None) or "."
         path = os.path.abspath(tracker.path)
         inside = path.startswith(os.path.abspath(root) + os.sep)
         return {"kl_cache": os.path.relpath(path, root) if inside else path,

@@ -109,6 +109,7 @@ def kl_lines(metrics: dict[str, float], monitor: ForgettingMonitor | None, floor
     budget = monitor.kl_budget if monitor is not None else None
     bounded = monitor.budgeted_metric(metrics) if monitor is not None else None
     measured = floor.floor if floor is not None and floor.floor is not None and floor.floor.quantized else None
+    floor_high = measured.kl.high if measured is not None else None
     for name, what in KL_LINES:
         values = [metrics.get(k) for k in with_interval(name)]
         if values[0] is None:
@@ -118,7 +119,7 @@ def kl_lines(metrics: dict[str, float], monitor: ForgettingMonitor | None, floor
         if budget is not None and name == bounded:
             words += (" over budget" if (values[1] if values[1] is not None else -1) > budget else " within budget") + f" {budget:g}"
         if measured is not None and name != DRIFT and None not in values:
-            words += f"; {measured.verdict(stats.PairedResult(values[0], math.nan, values[1], values[2], 0, 0, math.nan))}"
+            words += f"; {stats.floor_verdict(values[1], values[2], floor_high)}"
         lines.append(f"  {name:<26} {values[0]:.4f} nats/token{bounds}{words} ({what})")
     return lines
 
@@ -130,15 +131,12 @@ def floor_lines(floor: NoiseFloorCallback | None) -> list[str]:
     f = floor.floor
     if not f.quantized:
         return [f"noise floor   0 ({f.note})"]
-    ratios = ", ".join(f"{r:.4f} [{lo:.4f}, {hi:.4f}]" for r, lo, hi in f.perplexity_ratios)
     lines = [f"noise floor   KL {f.kl.difference:.5f} [{f.kl.low:.5f}, {f.kl.high:.5f}] nats/token over {f.kl.n_clusters} "
              f"held-out sequences (the model against itself, inputs x (1 + {f.relative:g} N(0,1)), seeds "
              f"{', '.join(map(str, f.seeds))}; {floor.seconds:.0f} s)",
-             f"              perplexity ratio per seed {ratios}"]
+             f"              perplexity ratio per seed {f.ratios_text()}"]
     if floor.flips is not None:
-        n, changed = floor.flips.total()
-        tasks = "; ".join(f"{t} {'/'.join(map(str, c))} of {floor.flips.examples[t]}" for t, c in floor.flips.flips_norm.items())
-        lines.append(f"              benchmark answers (acc_norm) changed {'/'.join(map(str, changed))} of {n} ({tasks})")
+        lines.append(f"              benchmark answers (acc_norm) changed {floor.flips.changed_text()}")
     return lines
 
 

@@ -106,6 +106,16 @@ def verdict(ci: tuple[float, float] | None, higher_is_better: bool = True) -> st
     return "within noise"
 
 
+def floor_verdict(low: float, high: float, floor_high: float | None) -> str:
+    """Words for a KL interval ``[low, high]`` read against a noise floor whose interval ends at ``floor_high``
+    (None: a model that rounds nothing onto a grid, whose floor is 0)."""
+    if floor_high is None:
+        return "above 0" if low > 0 else "inside the noise"
+    if high <= floor_high:
+        return "within the noise of the arithmetic"
+    return "above the noise of the arithmetic" if low > floor_high else "overlaps the noise of the arithmetic"
+
+
 @dataclass(frozen=True)
 class PairedResult:
     """A paired comparison of two evaluations over the same examples (or the mean of a per-pair drift).

@@ -64,10 +64,9 @@ class NoiseFloor:
     def describe(self) -> str:
         if not self.quantized:
             return f"noise floor 0 ({self.note})"
-        ratios = ", ".join(f"{r:.4f} [{lo:.4f}, {hi:.4f}]" for r, lo, hi in self.perplexity_ratios)
         return (f"noise floor of the arithmetic (inputs x (1 + {self.relative:g} N(0,1)), seeds "
                 f"{', '.join(map(str, self.seeds))}): KL {self.kl.difference:.5f} [{self.kl.low:.5f}, {self.kl.high:.5f}] "
-                f"nats/token; perplexity ratios {ratios}")
+                f"nats/token; perplexity ratios {self.ratios_text()}")
 
     def to_dict(self) -> dict:
         """The floor as JSON values (the files of ``export --compare``, the engine check and a fit)."""
@@ -77,14 +76,12 @@ class NoiseFloor:
                 "note": self.note}
 
     def verdict(self, result: stats.PairedResult) -> str:
-        """Words for a KL comparison read against this floor."""
-        if not self.quantized:
-            return "above 0" if result.low > 0 else "inside the noise"
-        if result.high <= self.kl.high:
-            return "within the noise of the arithmetic"
-        if result.low > self.kl.high:
-            return "above the noise of the arithmetic"
-        return "overlaps the noise of the arithmetic"
+        """Words for a KL comparison read against this floor (:func:`qat_app.stats.floor_verdict`)."""
+        return stats.floor_verdict(result.low, result.high, self.kl.high if self.quantized else None)
+
+    def ratios_text(self) -> str:
+        """Each seed's perplexity ratio with its interval."""
+        return ", ".join(f"{r:.4f} [{lo:.4f}, {hi:.4f}]" for r, lo, hi in self.perplexity_ratios)
 
 
 def _zero(relative: float, seeds: tuple[int, ...], note: str) -> NoiseFloor:
@@ -166,11 +163,15 @@ class AnswerFlips:
         per_task = self.flips_norm if norm else self.flips
         return sum(self.examples.values()), [sum(per_task[t][i] for t in per_task) for i in range(len(self.seeds))]
 
-    def describe(self) -> str:
+    def changed_text(self) -> str:
+        """``6/6/8 of 160 (arc_challenge 1/1/2 of 40; ...)``: acc_norm answers changed per seed, in all and by task."""
         n, changed = self.total()
         tasks = "; ".join(f"{t} {'/'.join(map(str, self.flips_norm[t]))} of {self.examples[t]}" for t in self.examples)
+        return f"{'/'.join(map(str, changed))} of {n} ({tasks})"
+
+    def describe(self) -> str:
         return (f"benchmark answers (acc_norm) changed by the perturbation, seeds {', '.join(map(str, self.seeds))}: "
-                f"{'/'.join(map(str, changed))} of {n} ({tasks})")
+                f"{self.changed_text()}")
 
     def to_dict(self) -> dict:
         return {"seeds": list(self.seeds), "seconds": self.seconds,

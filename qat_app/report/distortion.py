@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import stats
 from ..eval.records import (FINAL_TOPK_FILE, FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION, NOISE_FLOOR_FILE,
                             read_noise_floor)
 from .runs import Run
@@ -54,13 +55,9 @@ def forget_kl_parts(run: Run) -> dict:
 
 
 def floor_verdict(floor: dict, low: float, high: float) -> str:
-    """Words for a KL interval against the floor's (as :meth:`qat_app.eval.noise_floor.NoiseFloor.verdict`)."""
-    if not floor["text"].get("quantized", True):
-        return "above 0" if low > 0 else "inside the noise"
-    top = floor["text"]["kl"]["high"]
-    if high <= top:
-        return "within the noise of the arithmetic"
-    return "above the noise of the arithmetic" if low > top else "overlaps the noise of the arithmetic"
+    """Words for a KL interval against a ``noise_floor.json``'s floor (:func:`qat_app.stats.floor_verdict`)."""
+    text = floor["text"]
+    return stats.floor_verdict(low, high, text["kl"]["high"] if text.get("quantized", True) else None)
 
 
 def kl_baseline_qat(baseline: Run, qat: Run) -> dict | None:
