@@ -48,7 +48,13 @@ def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def assert_same_result(ours, ref) -> None:
-    assert_same_bits(ours.dequantized, ref.dequantized)
+    for values in ("dequantized", "grid"):  # the one of the two that was asked for
+        assert (getattr(ours, values) is None) == (getattr(ref, values) is None)
+        if getattr(ref, values) is not None:
+            assert_same_bits(getattr(ours, values), getattr(ref, values))
+    assert (ours.whatif is None) == (ref.whatif is None)
+    if ref.whatif is not None:
+        assert ours.whatif.dtype == torch.int64 and ours.whatif.tolist() == ref.whatif.tolist()
     assert ours.amax.shape == () and ours.amax.dtype == torch.float32
     assert_same_bits(ours.amax, ref.amax)
     assert ours.clipped.shape == () and ours.clipped.dtype == torch.int64
@@ -101,6 +107,28 @@ def test_matches_reference_bit_for_bit(device, dtype, n, scale, max_val):
     ref = reference(x, s, max_val, True, None)
     assert_same_result(ours, ref)
     assert ours.dequantized.device == x.device and ours.codes.device == x.device
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("max_val", [15.0, 32768.0])
+def test_grid_values_and_whatif_counts_from_the_same_pass_match_the_reference(device, dtype, max_val):
+    """The emulated GEMM's operand (q itself, no division) and the what-if counts under three other scales,
+    counted while the tensor is read once: bit for bit the reference's, specials included."""
+    x = nasty_tensor(3 * 4096 + 5, dtype, 0.37, max_val, seed=7).to(device)
+    s = torch.tensor(0.37, device=device)
+    whatif_scales = torch.tensor([0.37, 0.05, 2.9], device=device)
+    for grid in (False, True):
+        ours = fake_quantize_triton(x, s, max_val, want_codes=True, grid=grid, whatif_scales=whatif_scales)
+        ref = fake_quantize(x, s, max_val, "hif8", want_codes=True, fused="off", grid=grid,
+                            whatif_scales=whatif_scales)
+        assert_same_result(ours, ref)
+        assert (ours.grid is not None) == grid and ours.whatif.tolist()[0] == int(ours.clipped)
+    counts = ref.whatif.tolist()
+    assert min(counts) > 0 and (len(set(counts)) == 3 or max_val > 15)  # three scales, three different counts
+    table = HIF8_TABLE[ref.codes.cpu().long()]  # the format's values of the codes, by table
+    assert_same_bits(ours.grid.cpu(), table.to(dtype))  # q itself, not q / s
+    decoded = fake_quant.dequantize_codes(ref.codes, None, "hif8", dtype)
+    assert_same_bits(decoded, ref.grid)  # decoding the codes gives the grid values back
 
 
 @pytest.mark.parametrize("dtype,tie_bit", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)], ids=["bf16", "fp16"])

@@ -198,10 +198,15 @@ def test_fused_kernel_is_bit_identical_to_plain_torch():
         x = (torch.randn(257, 129) * 3).to(dtype)
         x[0, 0] = 1e3  # saturates
         scale = torch.tensor(2.5)
-        ref = fake_quantize(x, scale, 15.0, want_codes=True, fused="off")
-        fused = fake_quantize(x, scale, 15.0, want_codes=True, fused="on")
-        for a, b in zip(ref, fused):
-            assert torch.equal(a, b)
+        whatif_scales = torch.tensor([2.5, 0.3, 7.0])
+        for grid in (False, True):
+            ref = fake_quantize(x, scale, 15.0, want_codes=True, fused="off", grid=grid, whatif_scales=whatif_scales)
+            fused = fake_quantize(x, scale, 15.0, want_codes=True, fused="on", grid=grid,
+                                  whatif_scales=whatif_scales)
+            for name, a, b in zip(ref._fields, ref, fused):
+                assert (a is None) == (b is None), name
+                assert a is None or torch.equal(a, b), name
+            assert ref.whatif[0] == ref.clipped and (ref.grid is not None) == grid
 
 
 @pytest.mark.slow

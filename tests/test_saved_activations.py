@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from qat_app.hif8.formats import get_format
+
 from qat_app.config import QuantConfig
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.config import quantize_model
@@ -38,7 +40,7 @@ def nbytes(tensors) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_linear_keeps_its_input_as_one_byte_codes(dtype):
+def test_quantized_linear_keeps_its_input_as_one_byte_codes_and_its_weight_as_16_bit_grid_values(dtype):
     layer = HiF8Linear(64, 128, **QuantConfig(fused="off").layer_options()).to(dtype)
     x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
     saved = []
@@ -47,7 +49,9 @@ def test_quantized_linear_keeps_its_input_as_one_byte_codes(dtype):
     input_sized = [t for t in saved if t.numel() == x.numel()]
     weight_sized = [t for t in saved if t.numel() == layer.weight.numel()]
     assert [t.dtype for t in input_sized] == [torch.uint8]
-    assert [t.dtype for t in weight_sized] == [torch.uint8]
+    assert [t.dtype for t in weight_sized] == [torch.bfloat16]  # the weight's grid values, exact in bf16
+    grid = weight_sized[0].float()  # the values of w * s on the HiF8 grid, amax at 15 (current scaling: no history)
+    assert torch.equal(get_format("hif8").round_f32(grid), grid) and grid.abs().max() == 15
     assert all(t.numel() == 1 for t in saved if t.numel() not in (x.numel(), layer.weight.numel()))  # the scales
 
 
@@ -65,8 +69,8 @@ def test_quantized_model_saves_exactly_the_8bit_difference(tiny_llama, bf16):
     tokens = batch * seq * len(report.quantized_blocks)
     # gate/up's shared input: 4 bytes per element in plain (kept once in fp32, or one bf16 cast per
     # linear under autocast) vs two 1-byte codes; down's input: compute_bytes vs 1 byte; weights:
-    # 1-byte codes vs nothing extra (fp32 keeps the parameter) or a 2-byte copy (autocast)
+    # 2-byte grid values vs nothing extra (fp32 keeps the parameter) or a 2-byte copy (autocast)
     input_saving = tokens * (config.hidden_size * (4 - 2) + config.intermediate_size * (compute_bytes - 1))
-    weight_saving = report.num_params * ((2 - 1) if bf16 else -1)
+    weight_saving = report.num_params * ((2 - 2) if bf16 else -2)
     scales = 2 * report.num_linears * 4  # one float32 scale saved per quantized input and weight
     assert plain - quantized == input_saving + weight_saving - scales

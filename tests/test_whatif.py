@@ -120,6 +120,52 @@ def test_current_entry_uses_the_fallback_a_cts_scaler_would_use():
     assert scaler.step_whatif_clipped[WHATIF_ALGOS.index("current")].item() == 3
 
 
+@pytest.mark.parametrize("fused,triton", paths())
+@pytest.mark.parametrize("special", ["inf", "nan", "zeros", "tiny"])
+def test_counts_made_in_the_quantize_pass_equal_a_pass_of_their_own(special, fused, triton, monkeypatch):
+    """A delayed scaler counts the what-if while it quantizes (current scaling's entry by the rule of
+    ``health.current_never_clips``): on tensors where current scaling has no usable scale (an inf, a NaN, all
+    zeros, an amax whose scale overflows) the counts equal the separate pass's (``health.whatif_clipped``)."""
+    from qat_app.hif8.health import current_never_clips, whatif_clipped
+
+    if triton:
+        use_triton_on_cpu(monkeypatch)
+    scaler = AmaxScaler("max", HISTORY, ALPHA, 15.0)
+    record(scaler, INPUT_AMAXES)
+    x = {"inf": spread_input().flatten().index_fill(0, torch.tensor([3]), float("inf")),
+         "nan": spread_input().flatten().index_fill(0, torch.tensor([5]), float("nan")),
+         "zeros": torch.zeros(64), "tiny": torch.full((64,), 1e-39)}[special]
+    result, _ = scaler.quantize(x, "hif8", fused=fused, whatif=True)
+    assert result.whatif is not None  # counted in the pass
+    in_pass, _ = scaler.measure(x, result, scaler.scale, "hif8", fused=fused)
+    separate = whatif_clipped(x, scaler.whatif_scale, result.amax, 15.0, 0.0, 15.5, fused=fused)
+    assert in_pass.tolist() == separate.tolist()
+    most_recent = separate[WHATIF_ALGOS.index("most_recent")]
+    assert separate[WHATIF_ALGOS.index("current")] == most_recent  # the fallback scale's count
+    assert (int(most_recent) > 0) == (special in ("inf", "nan"))  # the spread input clips; zeros and 1e-39 do not
+    assert current_never_clips(15.0, 0.0, 15.5) and not current_never_clips(15.0, -1.0, 15.5)
+    assert not current_never_clips(15.0, 0.0, 15.0 * (1 + 2.0**-22))  # a threshold at max_val: a pass of its own
+
+
+def test_a_threshold_the_rule_cannot_clear_counts_in_a_pass_of_its_own():
+    """max_val one float32 ulp below a rounding midpoint: the threshold is then within an ulp of max_val, current
+    scaling may clip, and the scaler counts its what-if with a separate pass (the count still exact)."""
+    import numpy as np
+
+    from qat_app.hif8.formats import saturation_threshold
+
+    max_val = float(np.nextafter(np.float32(15.5), np.float32(0)))
+    threshold = saturation_threshold("hif8", max_val)
+    scaler = AmaxScaler("max", HISTORY, ALPHA, max_val)
+    record(scaler, INPUT_AMAXES)
+    x = spread_input()
+    result, scale = scaler.quantize(x, "hif8", whatif=True)
+    assert result.whatif is None and threshold < max_val * (1 + 2.0**-20)  # the rule does not apply here
+    whatif, _ = scaler.measure(x, result, scale, "hif8")
+    current = compute_scale(x.abs().max(), max_val, 0.0, torch.tensor(1.0))
+    assert int(whatif[WHATIF_ALGOS.index("current")]) == int((x.abs() * current >= threshold).sum())
+
+
 def test_nothing_is_counted_before_a_history_or_while_not_quantized():
     layer = HiF8Linear(16, 8, bias=False, **QuantConfig(amax_algo="max", history_len=HISTORY, fused="off").layer_options())
     x = spread_input() * 10

@@ -38,11 +38,16 @@ def fake_quantize(
     want_codes: bool = False,
     noise: torch.Tensor | None = None,
     fused: str = "off",
+    grid: bool = False,
+    whatif_scales: torch.Tensor | None = None,
 ) -> FakeQuantResult:
-    """Delayed-scaling fake quantization of ``x`` with a known per-tensor ``scale`` (0-d tensor)."""
+    """Delayed-scaling fake quantization of ``x`` with a known per-tensor ``scale`` (0-d tensor). ``grid``: the
+    result holds the grid values ``q`` instead of ``q / scale``; ``whatif_scales``: also the elements each of
+    those scales would clip, from the same read (:class:`FakeQuantResult`)."""
     name = _name(fmt)
     threshold = saturation_threshold(name, float(max_val))
-    return resolve(fused, x.device.type, name).quantize(x, scale, float(max_val), threshold, name, want_codes, noise)
+    return resolve(fused, x.device.type, name).quantize(x, scale, float(max_val), threshold, name, want_codes, noise,
+                                                        grid, whatif_scales)
 
 
 def fake_quantize_current(
@@ -56,19 +61,22 @@ def fake_quantize_current(
     noise: torch.Tensor | None = None,
     fused: str = "off",
     power_2: bool = False,
+    grid: bool = False,
 ) -> tuple[FakeQuantResult, torch.Tensor]:
     """Current-scaling fake quantization; returns the result and the scale that was used (rounded down to a power
-    of two with ``power_2``)."""
+    of two with ``power_2``). ``grid``: as :func:`fake_quantize`."""
     name = _name(fmt)
     threshold = saturation_threshold(name, float(max_val))
     return resolve(fused, x.device.type, name).quantize_current(
-        x, fallback_scale, float(max_val), threshold, float(margin), name, want_codes, noise, bool(power_2))
+        x, fallback_scale, float(max_val), threshold, float(margin), name, want_codes, noise, bool(power_2), grid)
 
 
 def dequantize_codes(
-    codes: torch.Tensor, scale: torch.Tensor, fmt: str | Float8Format, dtype: torch.dtype, *, fused: str = "off"
+    codes: torch.Tensor, scale: torch.Tensor | None, fmt: str | Float8Format, dtype: torch.dtype, *,
+    fused: str = "off"
 ) -> torch.Tensor:
-    """uint8 codes of ``x * scale`` -> the dequantized tensor, bit-identical to ``fake_quantize``'s output."""
+    """uint8 codes of ``x * scale`` -> the dequantized tensor, bit-identical to ``fake_quantize``'s output;
+    ``scale=None``: the grid values (``fake_quantize(..., grid=True)``'s)."""
     name = _name(fmt)
     return resolve(fused, codes.device.type, name).dequantize(codes, scale, name, dtype)
 

@@ -115,10 +115,10 @@ def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, fp8_tail: str | No
         return out if bias is None else out + bias.to(out_dtype)
     if fp8_tail is not None and a.quantized and b.quantized:
         accumulator = fp8_mm(a.values, a.scale, a.max_val, b.values.t(), b.scale, b.max_val, fp8_tail)
-    else:
-        accumulator = _fp32_accumulate(a.values, b.values) * decode_factor(a.scale, b.scale)
+    else:  # in place: the accumulator is a fresh tensor (one pass over the output, no second one)
+        accumulator = _fp32_accumulate(a.values, b.values).mul_(decode_factor(a.scale, b.scale))
     if bias is not None:
-        accumulator = accumulator + bias.float()
+        accumulator = accumulator.add_(bias.float())
     return accumulator.to(out_dtype)
 
 
@@ -128,8 +128,10 @@ def scaled_linear(x: Operand, w: Operand, out_dtype: torch.dtype, bias: torch.Te
     unquantized operands go through ``F.linear``, as an unquantized layer)."""
     if not (x.quantized or w.quantized):
         return F.linear(x.values.to(out_dtype), w.values.to(out_dtype), bias)
-    out = scaled_mm(x.flat(), w.t(), out_dtype, fp8_tail, bias)
-    return out.reshape(*x.values.shape[:-1], -1)
+    out = scaled_mm(x.flat(), w.t(), out_dtype, fp8_tail, bias).contiguous()
+    # not a view of the 2-D product (as torch.matmul returns it): a custom Function's output that is a view
+    # could not be modified in place, and copying it would cost one more pass
+    return torch.ops.aten._unsafe_view(out, (*x.values.shape[:-1], out.shape[-1]))
 
 
 def column_sums(g: Operand) -> torch.Tensor:

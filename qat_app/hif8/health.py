@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from .backends.reference import current_scale
+from .backends.reference import clipped_under, current_scale, raw_current_scale
 from .formats import Float8Format, _f32_bits, _mantissa_bits
 from .recipe import AMAX_ALGOS
 
@@ -99,18 +99,20 @@ def bin_lower_edge(bins: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def measure_health(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Float8Format,
-                   dequantized: torch.Tensor, noise: torch.Tensor | None = None, fused: str = "off") -> torch.Tensor:
+                   noise: torch.Tensor | None = None, fused: str = "off") -> torch.Tensor:
     """The float64 health vector (:data:`HEALTH_LEN`, layout in the module docstring) of one quantization of
-    ``x`` with ``scale`` whose output was ``dequantized``; ``noise``: the stochastic-rounding bits it used.
+    ``x`` with ``scale``; ``noise``: the stochastic-rounding bits it used. The error is against ``q / scale`` in
+    ``x``'s dtype, bit for bit the fake quantization's output (the value the matmul's product stands for).
     ``fused``: see :func:`_run` (compiled, the counts are the same; the float64 sums may differ in the last bit,
     being summed in another order)."""
-    return _run(_health_vector, fused, x.detach(), scale.detach(), float(max_val), fmt, dequantized.detach(), noise)
+    return _run(_health_vector, fused, x.detach(), scale.detach(), float(max_val), fmt, noise)
 
 
 def _health_vector(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Float8Format,
-                   dequantized: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+                   noise: torch.Tensor | None) -> torch.Tensor:
     xf = x.float()
     q = fmt.round_f32((xf * scale).clamp(-max_val, max_val), noise)
+    dequantized = (q / scale).to(x.dtype)
     # one counting pass: (tier of q, bin of |x|) jointly; index_add_ (no host sync, unlike bincount on CUDA)
     joint_index = (precision_tier(q, fmt) * HIST_BINS + magnitude_bin(xf)).reshape(-1)
     joint = torch.zeros((len(TIERS) + 1) * HIST_BINS, dtype=torch.int64, device=x.device)
@@ -173,9 +175,27 @@ def _count_whatif(x: torch.Tensor, scales_and_amax: torch.Tensor, max_val: float
     scaling takes its scale as ``fake_quantize_current`` does (falling back to most_recent's scale)."""
     delayed, amax = scales_and_amax[: len(DELAYED_ALGOS)], scales_and_amax[len(DELAYED_ALGOS)]
     current = current_scale(amax, max_val, margin, delayed[DELAYED_ALGOS.index("most_recent")], power_2)
-    scales = torch.cat([delayed, current.reshape(1)])
-    magnitude = x.float().abs()  # scales are > 0, so |x * s| == |x| * s exactly
-    return torch.stack([(magnitude * scales[k] >= threshold).sum() for k in range(len(WHATIF_ALGOS))])
+    return clipped_under(x.float().abs(), torch.cat([delayed, current.reshape(1)]), threshold)
+
+
+def current_never_clips(max_val: float, margin: float, threshold: float) -> bool:
+    """Whether current scaling provably clips nothing of a tensor whose amax gives it a usable scale, so that its
+    what-if count needs no pass of its own: with ``margin >= 0`` the scale ``s <= fl(max_val / amax)`` (a division
+    by ``2^margin >= 1`` rounds no higher), and every ``|x| <= amax``, so ``fl(|x| s) <= fl(amax fl(max_val / amax))
+    <= max_val (1 + 2^-23)^2``, below any clipping threshold above ``max_val (1 + 2^-20)`` (HiF8 at 15: 15.5)."""
+    return margin >= 0 and threshold > max_val * (1 + 2.0**-20)
+
+
+def whatif_from_delayed(delayed_counts: torch.Tensor, amax: torch.Tensor, max_val: float, margin: float) -> torch.Tensor:
+    """The what-if counts (int64 [len(WHATIF_ALGOS)]) from the delayed estimators' (counted in the quantize pass,
+    :data:`DELAYED_ALGOS` order) and the tensor's amax, where :func:`current_never_clips` holds: current scaling
+    clips nothing when its scale is usable, and where it is not (amax zero, NaN or inf, or a scale that
+    overflows) it falls back to most_recent's scale, whose count is already there: the count
+    :func:`whatif_clipped` makes, without reading the tensor again."""
+    _, usable = raw_current_scale(amax.float(), max_val, margin)
+    most_recent = delayed_counts[DELAYED_ALGOS.index("most_recent")]
+    current = torch.where(usable, torch.zeros_like(most_recent), most_recent)
+    return torch.cat([delayed_counts, current.reshape(1)])
 
 
 def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Tensor, max_val: float, margin: float,

@@ -61,6 +61,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def grid_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype grid values are kept in between GEMMs: the compute dtype when it has 16 bits, else bfloat16 (HiF8's
+    values have at most 4 significant bits and exponents 2^-22..2^15, exact in bfloat16 and float16)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
 def passes_gradient(ste_clipped: bool, x, scale, scaler: AmaxScaler, fmt) -> torch.Tensor | None:
     """``ste="clipped"``: False where the element was clipped (same definition as the counters)."""
     return ~saturated_mask(x, scale, scaler.max_val, fmt) if ste_clipped else None
@@ -184,32 +190,40 @@ class QuantizedMatmul(nn.Module):
         return self._exported_key is not None and self._exported_key == self.weight_key(weight)
 
     # ------------------------------------------------------------------------------- the forward
-    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype):
-        """-> (saved: uint8 codes or the weight itself, scale or None, clipped-mask or None): the weight
-        operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
-        when not).
+    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool = False):
+        """-> (saved: uint8 codes or the weight itself, scale or None, clipped-mask or None, values or None): the
+        weight operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
+        when not); ``values``: on the call that quantized it, what the quantization wrote (the grid values with
+        ``grid``, else the dequantized weight), so that this forward needs no decode of the codes.
 
-        Quantized once per optimizer step: the codes (1 byte per parameter) are cached until the
-        parameter changes (``_version``) or the scale does; forward and backward decode them.
+        Quantized once per optimizer step and cached until the parameter changes (``_version``) or the scale does:
+        with ``grid`` (the emulated and FP8 GEMMs), the grid values themselves in 16 bits (:func:`grid_dtype`:
+        exact, 2 bytes per parameter; the GEMM takes them as they are, or widens them exactly), so that neither an
+        encode nor a decode pass is paid for the weight; else (``dequantize_first``) the uint8 codes, decoded with
+        the scale by forward and backward.
         """
         if self._exported_key is not None and self.quantize_weights and not self.training and self.is_exported(weight):
             if self._exported_codes is not None:  # the exported codes and scale: what training computed
                 codes, scale = self._exported_codes
-                return codes.to(weight.device), scale.to(weight.device), None
-            return weight.detach().to(dtype), None, None  # already decode(codes)/scale: used as it is
+                return codes.to(weight.device), scale.to(weight.device), None, None
+            return weight.detach().to(dtype), None, None, None  # already decode(codes)/scale: used as it is
         scaler = self.weight_scaler
         health = self.measure_health and self.training  # in the key: a cache made without health is remade
         key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste,
                health)
+        values = None
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = None  # free the old codes before making new ones
             w = weight.detach().to(dtype)
             if self.quantize_weights:
                 fused = self.runtime.fused
-                result, scale = scaler.quantize(w, self.format, want_codes=True, fused=fused)
+                result, scale = scaler.quantize(w, self.format, want_codes=not grid, fused=fused, grid=grid,
+                                                whatif=True)
                 mask = passes_gradient(self.recipe.ste == "clipped", w, scale, scaler, self.format)
                 measured = scaler.measure(w, result, scale, self.format, fused=fused, health=health)
-                entry = (result.codes, scale.clone(), mask, (result.amax, result.clipped, *measured))
+                values = result.grid if grid else result.dequantized
+                saved = values.to(grid_dtype(dtype)) if grid else result.codes
+                entry = (saved, scale.clone(), mask, (result.amax, result.clipped, *measured))
             else:
                 entry = (w, None, None, (w.abs().amax(), None))
             self._weight_cache = (key, *entry)
@@ -217,7 +231,7 @@ class QuantizedMatmul(nn.Module):
         _, saved, scale, mask, stats = self._weight_cache
         if self.training and not scaler.observed_this_step:
             scaler.observe(*stats[:2], weight.numel(), *stats[2:])
-        return saved, scale, mask
+        return saved, scale, mask, values
 
     def release_weight_cache(self) -> None:
         """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
@@ -237,9 +251,10 @@ class QuantizedMatmul(nn.Module):
     def quantized_matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, W8A8, with straight-through gradients for ``x``, ``weight`` and ``bias``."""
         dtype = compute_dtype(x)
+        plan = self.plan(dtype, x.device)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            w_saved, w_scale, w_mask = self.quantized_weight(weight, dtype)
-        return QuantizedMatmulFunction.apply(x, weight, bias, w_saved, w_scale, w_mask, self.plan(dtype, x.device))
+            w_saved, w_scale, w_mask, w_values = self.quantized_weight(weight, dtype, grid=plan.on_grid)
+        return QuantizedMatmulFunction.apply(x, weight, bias, w_saved, w_scale, w_mask, w_values, plan)
 
 
 @dataclass(frozen=True)
@@ -274,14 +289,20 @@ class Plan:
         """The FP8 tail policy, for the GEMMs whose operands are both quantized (None: no FP8 GEMM)."""
         return self.fp8_tail if self.gemm == GEMM_FP8 else None
 
-    def operand(self, saved: torch.Tensor, scale: torch.Tensor | None, max_val: float) -> Operand:
+    def operand(self, saved: torch.Tensor, scale: torch.Tensor | None, max_val: float,
+                values: torch.Tensor | None = None) -> Operand:
         """A saved operand (uint8 codes + scale, or a tensor) as the GEMM takes it: the grid values with their
-        scale (``decode(codes) / 1`` through the backend: exact), or dequantized (``dequantize_first``)."""
+        scale (the codes decoded through the backend: exact), or dequantized (``dequantize_first``). ``values``:
+        those values when the quantization just wrote them (nothing to decode)."""
         if scale is None:  # not quantized: the tensor itself
             return Operand(saved)
         if self.on_grid:
-            grid = dequantize_codes(saved, torch.ones_like(scale), self.fmt, self.dtype, fused=self.fused)
-            return Operand(grid, scale, max_val)
+            if values is None:  # kept as grid values (a weight), or as codes (a saved input)
+                values = saved if saved.is_floating_point() else dequantize_codes(saved, None, self.fmt, self.dtype,
+                                                                                  fused=self.fused)
+            return Operand(values, scale, max_val)
+        if values is not None:
+            return Operand(values)
         return Operand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
 
     def quantize_input(self, x: torch.Tensor):
@@ -292,12 +313,13 @@ class Plan:
             if self.record:
                 scaler.observe(x.abs().amax(), None, x.numel())
             return Operand(x), x, None, None
-        result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes or self.on_grid, fused=self.fused)
+        result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes or self.on_grid, fused=self.fused,
+                                        grid=self.on_grid, whatif=self.record)
         if self.record:
             measured = scaler.measure(x, result, scale, self.fmt, fused=self.fused, health=self.health)
             scaler.observe(result.amax, result.clipped, x.numel(), *measured)
         mask = passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
-        operand = self.operand(result.codes, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
+        operand = Operand(result.grid, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
         if result.codes is not None:  # kept for backward as 8-bit codes + scale
             return operand, result.codes, scale, mask
         return operand, operand.values, None, mask  # dequantize_first without save_8bit_activations
@@ -310,23 +332,24 @@ class Plan:
             scaler.observe(g.abs().amax(), None, g.numel())
             return Operand(g)
         noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32) if self.stochastic_grads else None
-        result, scale = scaler.quantize(g, self.fmt, want_codes=self.on_grid, noise=noise, fused=self.fused)
+        result, scale = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused, grid=self.on_grid, whatif=True)
         measured = scaler.measure(g, result, scale, self.fmt, fused=self.fused, health=self.health, noise=noise)
         scaler.observe(result.amax, result.clipped, g.numel(), *measured)
-        return self.operand(result.codes, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
+        return Operand(result.grid, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
 
 
 class QuantizedMatmulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, plan: Plan):
+    def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, w_values, plan: Plan):
         dtype = plan.dtype
         with torch.autocast(x.device.type, enabled=False):
             x_op, x_saved, x_saved_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
-            out = scaled_linear(x_op, plan.operand(w_saved, w_scale, plan.weight_max_val), dtype, b, plan.tail)
+            w_op = plan.operand(w_saved, w_scale, plan.weight_max_val, w_values)
+            out = scaled_linear(x_op, w_op, dtype, b, plan.tail)
         if out._base is not None:
-            # with a bias, F.linear of an N-D input returns a view (addmm, then a reshape): an output of a
-            # custom Function that is a view may not be modified in place (Falcon's `mlp_output += ...`)
+            # an output of a custom Function that is a view may not be modified in place (Falcon's
+            # `mlp_output += ...`); scaled_linear returns none, this guards the rule
             out = out.clone()
         ctx.plan = plan
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -357,7 +380,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
             grad_w = grad_w.to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = column_sums(g2).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def set_health_measurement(model: nn.Module, on: bool) -> None:

@@ -44,7 +44,8 @@ from torch import nn
 
 from .fake_quant import FakeQuantResult, compute_scale, fake_quantize, fake_quantize_current
 from .formats import Float8Format, get_format, saturation_threshold
-from .health import DELAYED_ALGOS, WHATIF_ALGOS, measure_health, whatif_clipped
+from .health import (DELAYED_ALGOS, WHATIF_ALGOS, current_never_clips, measure_health, whatif_clipped,
+                     whatif_from_delayed)
 from .recipe import AMAX_ALGOS
 from .scaler_bank import ScalerBank, _data_parallel, delayed_estimates
 
@@ -119,19 +120,28 @@ class AmaxScaler(nn.Module):
         return self.algo == "current" or not self.has_history
 
     def quantize(self, x: torch.Tensor, fmt: str | Float8Format, *, want_codes: bool = False,
-                 noise: torch.Tensor | None = None, fused: str = "off") -> tuple[FakeQuantResult, torch.Tensor]:
+                 noise: torch.Tensor | None = None, fused: str = "off", grid: bool = False,
+                 whatif: bool = False) -> tuple[FakeQuantResult, torch.Tensor]:
         """Fake-quantize ``x`` with this tensor's scale -> (result, the scale used).
 
         The one place that decides which scale: the delayed one (a snapshot: the buffer moves on at the
         step boundary), or the tensor's own (current scaling, and a delayed scaler before its first
-        recorded step).
+        recorded step). ``grid``: the result holds the grid values instead of the dequantized tensor.
+        ``whatif``: count the other estimators' clipping in the same pass where it can (a delayed scale and
+        :func:`~qat_app.hif8.health.current_never_clips`; :meth:`measure` counts the rest with a pass of its own).
         """
         if self.uses_current_scaling:
             return fake_quantize_current(x, self.scale, self.max_val, self.margin, fmt, want_codes=want_codes,
-                                         power_2=self.power_2,
-                                         noise=noise, fused=fused)
-        result = fake_quantize(x, self.scale, self.max_val, fmt, want_codes=want_codes, noise=noise, fused=fused)
+                                         power_2=self.power_2, noise=noise, fused=fused, grid=grid)
+        # a fresh tensor: the compiled kernel must not see a buffer view (its offset would be one more compilation)
+        whatif_scales = self.whatif_scale.clone() if whatif and self._whatif_in_pass(fmt) else None
+        result = fake_quantize(x, self.scale, self.max_val, fmt, want_codes=want_codes, noise=noise, fused=fused,
+                               grid=grid, whatif_scales=whatif_scales)
         return result, self.scale.clone()
+
+    def _whatif_in_pass(self, fmt: str | Float8Format) -> bool:
+        name = fmt if isinstance(fmt, str) else fmt.name
+        return current_never_clips(self.max_val, self.margin, saturation_threshold(name, float(self.max_val)))
 
     @torch.no_grad()
     def measure(self, x: torch.Tensor, result: FakeQuantResult, scale: torch.Tensor, fmt: str | Float8Format, *,
@@ -140,20 +150,22 @@ class AmaxScaler(nn.Module):
         """-> (what-if clipped counts, health vector) of one quantization of ``x`` (``quantize``'s ``result`` and
         ``scale``), for :meth:`observe`; device ops only.
 
-        What-if: None before the first recorded step (no history to estimate from). Its ``current`` entry
+        What-if: None before the first recorded step (no history to estimate from); from the quantize pass's
+        counts when it made them (``quantize(..., whatif=True)``), else counted here. Its ``current`` entry
         uses the scale a CTS scaler with this history would fall back to (that of most_recent), as
         ``quantize`` does. Health (:func:`~qat_app.hif8.health.measure_health`): only when ``health``.
         """
         fmt = get_format(fmt) if isinstance(fmt, str) else fmt
         whatif = None
-        if self.has_history:
+        if self.has_history and result.whatif is not None:
+            whatif = whatif_from_delayed(result.whatif, result.amax, self.max_val, self.margin)
+        elif self.has_history:
             threshold = saturation_threshold(fmt.name, float(self.max_val))
             whatif = whatif_clipped(x, self.whatif_scale, result.amax, self.max_val, self.margin, threshold,
-                                    power_2=self.power_2,
-                                    fused=fused)
+                                    power_2=self.power_2, fused=fused)
         if not health:
             return whatif, None
-        return whatif, measure_health(x, scale, self.max_val, fmt, result.dequantized, noise, fused=fused)
+        return whatif, measure_health(x, scale, self.max_val, fmt, noise, fused=fused)
 
     @torch.no_grad()
     def observe(self, amax: torch.Tensor, clipped: torch.Tensor | None, numel: int,

@@ -56,15 +56,18 @@ def _f32_to_bf16_rtne(v):
 
 @triton.jit
 def hif8_fake_quant_kernel(
-    x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, tab_ptr, acc_ptr,
+    x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, tab_ptr, acc_ptr, whatif_ptr,
     n, max_val, clip_threshold,
     BLOCK: tl.constexpr, WANT_CODES: tl.constexpr, HAS_NOISE: tl.constexpr, INT64: tl.constexpr,
-    OVERFLOW: tl.constexpr, CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr,
+    OVERFLOW: tl.constexpr, CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr, GRID: tl.constexpr,
+    N_WHATIF: tl.constexpr,
 ):
-    """One BLOCK of x per program. acc_ptr: int64[2] zeroed by the caller; the low int32 word of
-    acc[0] takes max |x| as float32 bits (atomic max), acc[1] the clipped count (atomic add): elements with |x * scale| >= clip_threshold.
-    tab_ptr: int64[1024], the 512 rounding rows then the 4096 uint8 codes. codes_ptr / noise_ptr
-    are None unless WANT_CODES / HAS_NOISE (fewer arguments: less launch overhead)."""
+    """One BLOCK of x per program. acc_ptr: int64[2 + N_WHATIF] zeroed by the caller; the low int32 word of
+    acc[0] takes max |x| as float32 bits (atomic max), acc[1] the clipped count (atomic add): elements with
+    |x * scale| >= clip_threshold, acc[2 + k] the elements with |x| * whatif[k] >= clip_threshold (the what-if
+    scales, float32[N_WHATIF] at whatif_ptr). out_ptr takes q / scale, or q itself with GRID.
+    tab_ptr: int64[1024], the 512 rounding rows then the 4096 uint8 codes. codes_ptr / noise_ptr / whatif_ptr
+    are None unless WANT_CODES / HAS_NOISE / N_WHATIF (fewer arguments: less launch overhead)."""
     pid = tl.program_id(0)
     if INT64:
         start = pid.to(tl.int64) * BLOCK
@@ -79,17 +82,20 @@ def hif8_fake_quant_kernel(
     # multiple of 16 (triton only vectorises a masked access when it can prove n % 16 == 0).
     if start + BLOCK <= n:
         _quantize_block(x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr,
-                        clipped_ptr, offs, n, max_val, clip_threshold, False, WANT_CODES, HAS_NOISE, OVERFLOW, CORRECTIONS, INTERPRET)
+                        clipped_ptr, whatif_ptr, offs, n, max_val, clip_threshold, False, WANT_CODES, HAS_NOISE,
+                        OVERFLOW, CORRECTIONS, INTERPRET, GRID, N_WHATIF)
     else:
         _quantize_block(x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr,
-                        clipped_ptr, offs, n, max_val, clip_threshold, True, WANT_CODES, HAS_NOISE, OVERFLOW, CORRECTIONS, INTERPRET)
+                        clipped_ptr, whatif_ptr, offs, n, max_val, clip_threshold, True, WANT_CODES, HAS_NOISE,
+                        OVERFLOW, CORRECTIONS, INTERPRET, GRID, N_WHATIF)
 
 
 @triton.jit
 def _quantize_block(
-    x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr, clipped_ptr, offs, n,
-    max_val, clip_threshold, MASKED: tl.constexpr, WANT_CODES: tl.constexpr, HAS_NOISE: tl.constexpr, OVERFLOW: tl.constexpr,
-    CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr,
+    x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr, clipped_ptr, whatif_ptr,
+    offs, n, max_val, clip_threshold, MASKED: tl.constexpr, WANT_CODES: tl.constexpr, HAS_NOISE: tl.constexpr,
+    OVERFLOW: tl.constexpr, CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr, GRID: tl.constexpr,
+    N_WHATIF: tl.constexpr,
 ):
     if MASKED:
         mask = offs < n
@@ -116,6 +122,15 @@ def _quantize_block(
     n_clipped = tl.reduce(over.to(tl.int32), 0, _add_combine)
     if n_clipped > 0:
         tl.atomic_add(clipped_ptr, n_clipped.to(tl.int64), sem="relaxed")
+    if N_WHATIF > 0:  # what-if: the same clipping test under the other estimators' scales, from the same read
+        magnitude = tl.abs(xf)
+        for k in tl.static_range(N_WHATIF):
+            hit = magnitude * tl.load(whatif_ptr + k) >= clip_threshold
+            if MASKED:
+                hit = hit & mask
+            n_hit = tl.reduce(hit.to(tl.int32), 0, _add_combine)
+            if n_hit > 0:
+                tl.atomic_add(clipped_ptr + 1 + k, n_hit.to(tl.int64), sem="relaxed")
     # clamp(-max_val, max_val) as min(|scaled|, max_val) with scaled's sign; NaN propagates
     a = tl.minimum(mag_f, max_val, propagate_nan=tl.PropagateNan.ALL)
     a_bits = a.to(tl.int32, bitcast=True)
@@ -151,7 +166,9 @@ def _quantize_block(
             qbits = tl.where(a >= 40960.0, 0x7F800000 | sign, qbits)
     q = qbits.to(tl.float32, bitcast=True)
 
-    if INTERPRET:
+    if GRID:  # the grid values themselves (at most 4 significant bits: exact in every output dtype)
+        deq = q
+    elif INTERPRET:
         deq = tl.math.div_rn(q, scale)
     else:
         if (scale >= 8.673617379884035e-19) & (scale <= 1.152921504606847e18):  # 2^-60 .. 2^60

@@ -27,8 +27,8 @@ def _compiled(fn: Callable) -> Callable:
 
 def _restore_shape(out, shape: torch.Size):
     if isinstance(out, FakeQuantResult):
-        codes = out.codes.view(shape) if out.codes is not None else None
-        return out._replace(dequantized=out.dequantized.view(shape), codes=codes)
+        return out._replace(**{field: getattr(out, field).view(shape) for field in ("dequantized", "codes", "grid")
+                               if getattr(out, field) is not None})
     if isinstance(out, tuple):  # (FakeQuantResult, scale) from current scaling
         return (_restore_shape(out[0], shape), *out[1:])
     return out.view(shape)
@@ -41,12 +41,15 @@ class CompiledBackend:
         self.required = required
         self.broken = os.environ.get("QAT_APP_NO_COMPILE") == "1"  # plain torch, on request
 
-    def _run(self, fn: Callable, *args):
+    def _run(self, fn: Callable, *args, like_input: bool = True):
+        """``fn(*args)`` compiled, on flattened inputs; ``like_input``: its outputs shaped like ``args[0]`` get
+        that shape back (False: ``fn`` returns reductions only)."""
         if not self.broken:
             try:
                 shape = args[0].shape
                 flat = [a.reshape(-1) if isinstance(a, torch.Tensor) and a.shape == shape else a for a in args]
-                return _restore_shape(_compiled(fn)(*flat), shape)
+                out = _compiled(fn)(*flat)
+                return _restore_shape(out, shape) if like_input else out
             except Exception as err:  # a missing compiler must not stop training: fall back, same numbers
                 if self.required:
                     raise
@@ -54,8 +57,16 @@ class CompiledBackend:
                 log.warning("torch.compile of the fake-quant kernel failed (%s); using plain torch", err)
         return fn(*args)
 
-    def quantize(self, *args) -> FakeQuantResult:
-        return self._run(reference.fake_quantize, *args)
+    def quantize(self, x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid=False,
+                 whatif_scales=None) -> FakeQuantResult:
+        result = self._run(reference.fake_quantize, x, scale, max_val, clip_threshold, fmt_name, want_codes, noise,
+                           grid)
+        if whatif_scales is None:
+            return result
+        # a kernel of its own: fused into the quantize kernel, inductor's CPU code for the extra counts costs
+        # six times what this separate read of x does (measured at 1.5M elements, benchmarks/step_overhead.py)
+        return result._replace(whatif=self._run(reference.whatif_counts, x, whatif_scales, clip_threshold,
+                                                like_input=False))
 
     def quantize_current(self, *args) -> tuple[FakeQuantResult, torch.Tensor]:
         return self._run(reference.fake_quantize_current, *args)

@@ -13,24 +13,44 @@ from .base import FakeQuantResult
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, max_val: float, clip_threshold: float, fmt_name: str,
-                  want_codes: bool, noise: torch.Tensor | None) -> FakeQuantResult:
+                  want_codes: bool, noise: torch.Tensor | None, grid: bool = False,
+                  whatif_scales: torch.Tensor | None = None) -> FakeQuantResult:
     fmt = get_format(fmt_name)
     xf = x.float()
-    amax = xf.abs().amax()
+    magnitude = xf.abs()
+    amax = magnitude.amax()
     scaled = xf * scale
     clipped = (scaled.abs() >= clip_threshold).sum()
     q = fmt.round_f32(scaled.clamp(-max_val, max_val), noise)
-    dequantized = (q / scale).to(x.dtype)
     codes = fmt.encode_rounded(q) if want_codes else None
-    return FakeQuantResult(dequantized, amax, clipped, codes)
+    whatif = None if whatif_scales is None else clipped_under(magnitude, whatif_scales, clip_threshold)
+    if grid:
+        return FakeQuantResult(None, amax, clipped, codes, q.to(x.dtype), whatif)
+    return FakeQuantResult((q / scale).to(x.dtype), amax, clipped, codes, None, whatif)
+
+
+def whatif_counts(x: torch.Tensor, scales: torch.Tensor, clip_threshold: float) -> torch.Tensor:
+    """:func:`clipped_under` of ``x`` (the what-if counts of ``fake_quantize``, for a backend that counts them apart)."""
+    return clipped_under(x.float().abs(), scales, clip_threshold)
+
+
+def clipped_under(magnitude: torch.Tensor, scales: torch.Tensor, clip_threshold: float) -> torch.Tensor:
+    """int64 [len(scales)]: the elements of ``magnitude`` (|x| in float32) that each scale would clip (the one
+    clipping definition: ``|x| * s >= clip_threshold``; scales are > 0, so ``|x * s| == |x| * s`` exactly)."""
+    return torch.stack([(magnitude * scales[k] >= clip_threshold).sum() for k in range(scales.numel())])
+
+
+def raw_current_scale(amax: torch.Tensor, max_val: float, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_val / amax / 2^margin, whether it is usable: amax > 0 and finite, the scale finite)."""
+    scale = max_val / amax / (2.0**margin)
+    return scale, (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
 
 
 def current_scale(amax: torch.Tensor, max_val: float, margin: float, fallback: torch.Tensor,
                   power_2: bool = False) -> torch.Tensor:
     """max_val / amax / 2^margin, rounded down to a power of two with ``power_2`` (exactly: frexp); a zero, NaN or
     inf amax keeps ``fallback`` (never an inf/NaN scale)."""
-    scale = max_val / amax / (2.0**margin)
-    ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
+    scale, ok = raw_current_scale(amax, max_val, margin)
     if power_2:  # scale = m 2^e, m in [0.5, 1): its power-of-two floor is 2^(e - 1)
         scale = torch.ldexp(torch.full_like(scale, 0.5), torch.frexp(torch.where(ok, scale, 1.0)).exponent)
     return torch.where(ok, scale, fallback)
@@ -38,15 +58,18 @@ def current_scale(amax: torch.Tensor, max_val: float, margin: float, fallback: t
 
 def fake_quantize_current(x: torch.Tensor, fallback_scale: torch.Tensor, max_val: float, clip_threshold: float,
                           margin: float, fmt_name: str, want_codes: bool,
-                          noise: torch.Tensor | None, power_2: bool = False) -> tuple[FakeQuantResult, torch.Tensor]:
+                          noise: torch.Tensor | None, power_2: bool = False,
+                          grid: bool = False) -> tuple[FakeQuantResult, torch.Tensor]:
     """Current tensor scaling (CTS): the scale comes from this tensor's own amax (two passes)."""
     amax = x.float().abs().amax()
     scale = current_scale(amax, max_val, margin, fallback_scale, power_2)
-    return fake_quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise), scale
+    return fake_quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid), scale
 
 
-def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, dtype: torch.dtype) -> torch.Tensor:
-    return (get_format(fmt_name).decode(codes, torch.float32) / scale).to(dtype)
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor | None, fmt_name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``decode(codes) / scale`` in ``dtype``; with ``scale=None`` the grid values themselves (exact in any float)."""
+    values = get_format(fmt_name).decode(codes, torch.float32)
+    return (values if scale is None else values / scale).to(dtype)
 
 
 class ReferenceBackend:

@@ -111,13 +111,17 @@ def fake_quantize_triton(
     noise: torch.Tensor | None = None,
     *,
     check: bool = True,
+    grid: bool = False,
+    whatif_scales: torch.Tensor | None = None,
 ) -> FakeQuantResult:
     """HiF8 delayed-scaling fake quantization in one Triton kernel; same result as ``_fake_quantize``.
 
     ``scale``: one-element tensor (used as float32 on x's device, as the reference multiplies in
     float32). ``max_val`` is rounded to float32 like torch's clamp/compare with a Python scalar.
     ``noise``: optional int32 random bits of x's shape for stochastic rounding (as hif8_round_f32).
-    ``check=False`` skips the ``supports("hif8", x, scale, noise)`` test (the caller made it).
+    ``check=False`` skips the ``supports("hif8", x, scale, noise)`` test (the caller made it). ``grid``: the
+    grid values ``q`` instead of ``q / scale``; ``whatif_scales`` (float32 ``[k]``): the what-if clipped counts
+    under them, from the same read (the backend contract, :mod:`.base`).
     The outputs carry no autograd graph (the reference's bit manipulation has none either).
     """
     if check and not supports("hif8", x, scale, noise):
@@ -129,14 +133,19 @@ def fake_quantize_triton(
     device = x.device
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # triton launches on the current device
-            return fake_quantize_triton(x, scale, max_val, want_codes, noise, check=False)
+            return fake_quantize_triton(x, scale, max_val, want_codes, noise, check=False, grid=grid,
+                                        whatif_scales=whatif_scales)
     xc = x.contiguous()
     n = xc.numel()
     if scale.dtype != torch.float32 or scale.device != device:
         scale = scale.to(device=device, dtype=torch.float32)
     out = torch.empty_like(xc)
     codes = torch.empty(xc.shape, dtype=torch.uint8, device=device) if want_codes else None
-    acc = torch.zeros(2, dtype=torch.int64, device=device)  # the one memset: [amax bits, clipped count]
+    n_whatif = 0 if whatif_scales is None else whatif_scales.numel()
+    if n_whatif and (whatif_scales.dtype != torch.float32 or whatif_scales.device != device):
+        whatif_scales = whatif_scales.to(device=device, dtype=torch.float32)
+    # the one memset: [amax bits, clipped count, what-if counts]
+    acc = torch.zeros(2 + n_whatif, dtype=torch.int64, device=device)
     table = _TABLES.get(device)
     if table is None:
         table = _table(device)
@@ -144,13 +153,16 @@ def fake_quantize_triton(
     interpret = _interpret()
     _kernel(interpret)[(triton_cdiv(n, BLOCK),)](
         xc, out, codes, None if noise is None else noise.contiguous(), scale, table, acc,
-        n, max_val32, saturation_threshold("hif8", max_val32),
+        whatif_scales.contiguous() if n_whatif else None, n, max_val32, saturation_threshold("hif8", max_val32),
         BLOCK=BLOCK, WANT_CODES=want_codes, HAS_NOISE=noise is not None, INT64=n + BLOCK >= 2**31,
-        OVERFLOW=not max_val32 < HIF8_OVERFLOW, CORRECTIONS=CORRECTIONS, INTERPRET=interpret,
-        num_warps=NUM_WARPS,
+        OVERFLOW=not max_val32 < HIF8_OVERFLOW, CORRECTIONS=CORRECTIONS, INTERPRET=interpret, GRID=grid,
+        N_WHATIF=n_whatif, num_warps=NUM_WARPS,
     )
-    # amax: the float32 in the low word of acc[0]; clipped: acc[1] (both 0-d views of acc)
-    return FakeQuantResult(out, acc.view(torch.float32)[0], acc[1], codes)
+    # amax: the float32 in the low word of acc[0]; clipped: acc[1] (0-d views of acc); what-if: acc[2:]
+    amax, clipped, whatif = acc.view(torch.float32)[0], acc[1], acc[2:] if n_whatif else None
+    if grid:
+        return FakeQuantResult(None, amax, clipped, codes, out, whatif)
+    return FakeQuantResult(out, amax, clipped, codes, None, whatif)
 
 
 def _round_table_rows() -> list[int]:
@@ -225,10 +237,12 @@ class TritonBackend:
         self.required = required
         self.broken = False
 
-    def quantize(self, x, scale, max_val, clip_threshold, fmt_name, want_codes, noise) -> FakeQuantResult:
+    def quantize(self, x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid=False,
+                 whatif_scales=None) -> FakeQuantResult:
         if not self.broken and noise is None and supports(fmt_name, x, scale):
             try:
-                return fake_quantize_triton(x, scale, float(max_val), want_codes, check=False)
+                return fake_quantize_triton(x, scale, float(max_val), want_codes, check=False, grid=grid,
+                                            whatif_scales=whatif_scales)
             except Exception as err:  # e.g. no compiler for this GPU: fall back, same numbers
                 if self.required:
                     raise
@@ -237,7 +251,8 @@ class TritonBackend:
 
                 logging.getLogger(__name__).warning(
                     "the Triton fake-quant kernel failed (%s); using torch.compile / plain torch", err)
-        return self.fallback.quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise)
+        return self.fallback.quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid,
+                                      whatif_scales)
 
     def quantize_current(self, *args):
         return self.fallback.quantize_current(*args)
