@@ -124,6 +124,17 @@ def kl_lines(metrics: dict[str, float], monitor: ForgettingMonitor | None, floor
     return lines
 
 
+def profile_lines(trainer: L.Trainer) -> list[str]:
+    """The step profile's table (``--profile.steps N``), when the fit recorded one."""
+    from qat_app.step_profile import StepProfiler
+
+    profiler = trainer.profiler
+    if not isinstance(profiler, StepProfiler) or profiler.result is None:
+        return []
+    return ["profile       " + line if k == 0 else "              " + line
+            for k, line in enumerate(profiler.result.table().splitlines())]
+
+
 def floor_lines(floor: NoiseFloorCallback | None) -> list[str]:
     """The noise floor measured at the end of the fit, with its time."""
     if floor is None or floor.floor is None:
@@ -225,6 +236,7 @@ class RunSummaryCallback(L.Callback):
                              f"({entry['reason']}: {entry['evidence']})")
         else:
             lines.append("saturation    - " + ("(no quantized layers: an unquantized run)" if unquantized else "(no totals)"))
+        lines += profile_lines(trainer)
         lines.append(f"logs          {_show(log_dir)}")
         checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
         last = None

@@ -38,6 +38,7 @@ from qat_app.checkpoint import (check_given_checkpoint, is_checkpoint_file_arg, 
 from qat_app.errors import ConfigError, QATError
 from qat_app.module import QATModule
 from qat_app.quiet import quiet_library_notices
+from qat_app.step_profile import StepProfiler
 
 log = logging.getLogger("qat_app.cli")
 
@@ -71,6 +72,8 @@ class QATCLI(LightningCLI):
         parser.add_lightning_class_args(NoiseFloorCallback, "noise_floor")
         # after "saturation": its on_fit_end writes the totals the summary reads
         parser.add_lightning_class_args(RunSummaryCallback, "summary")
+        # where a few optimizer steps' time goes (off by default); becomes the trainer's profiler
+        parser.add_class_arguments(StepProfiler, "profile")
         parser.add_argument(
             "--run_dir", type=Optional[str], default=None,
             help="put the whole run in DIR: trainer.default_root_dir and every logger save_dir / callback dirpath "
@@ -103,6 +106,11 @@ class QATCLI(LightningCLI):
         ``enable_model_summary`` is false."""
         given = config.get("callbacks") or []
         given = [*(given if isinstance(given, list) else [given]), *callbacks]
+        profiler = (self.config_init.get(self.subcommand) or {}).get("profile") if self.subcommand else None
+        if isinstance(profiler, StepProfiler) and profiler.steps and self.subcommand == "fit":
+            if config.get("profiler") is not None:
+                raise ConfigError("profile.steps: trainer.profiler is set too; use one of them")
+            config = {**config, "profiler": profiler}
         for kind, switch, default in ((ProgressBar, "enable_progress_bar", StepProgressBar),
                                       (ModelSummary, "enable_model_summary", QATModelSummary)):
             if config.get(switch) is not False and not any(isinstance(c, kind) for c in given):

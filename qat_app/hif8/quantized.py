@@ -40,6 +40,7 @@ from torch import nn
 from .fake_quant import dequantize_codes, saturated_mask
 from .formats import Float8Format, get_format
 from .gemm import GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, Operand, column_sums, resolve_gemm, scaled_linear, scaled_mm
+from .profiling import GEMM, QUANTIZE, profiled
 from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
 
@@ -298,12 +299,14 @@ class Plan:
             return Operand(saved)
         if self.on_grid:
             if values is None:  # kept as grid values (a weight), or as codes (a saved input)
-                values = saved if saved.is_floating_point() else dequantize_codes(saved, None, self.fmt, self.dtype,
-                                                                                  fused=self.fused)
+                with profiled(QUANTIZE):
+                    values = saved if saved.is_floating_point() else dequantize_codes(saved, None, self.fmt,
+                                                                                      self.dtype, fused=self.fused)
             return Operand(values, scale, max_val)
         if values is not None:
             return Operand(values)
-        return Operand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
+        with profiled(QUANTIZE):
+            return Operand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
 
     def quantize_input(self, x: torch.Tensor):
         """-> (x as the GEMM takes it, what backward keeps of it (codes or a tensor), its scale or None,
@@ -346,7 +349,8 @@ class QuantizedMatmulFunction(torch.autograd.Function):
             x_op, x_saved, x_saved_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
             w_op = plan.operand(w_saved, w_scale, plan.weight_max_val, w_values)
-            out = scaled_linear(x_op, w_op, dtype, b, plan.tail)
+            with profiled(GEMM):
+                out = scaled_linear(x_op, w_op, dtype, b, plan.tail)
         if out._base is not None:
             # an output of a custom Function that is a view may not be modified in place (Falcon's
             # `mlp_output += ...`); scaled_linear returns none, this guards the rule
@@ -368,13 +372,15 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # dgrad: g @ W, with W's decode scale
             w_op = plan.operand(w_saved, w_scale, plan.weight_max_val)
-            grad_x = scaled_mm(g2, w_op, plan.dtype, plan.tail).reshape(*g.values.shape[:-1], -1)
+            with profiled(GEMM):
+                grad_x = scaled_mm(g2, w_op, plan.dtype, plan.tail).reshape(*g.values.shape[:-1], -1)
             if x_mask is not None:
                 grad_x = grad_x * x_mask
             grad_x = grad_x.to(x_dtype)
         if ctx.needs_input_grad[1]:  # wgrad: g.T @ x, with x's decode scale
             x_op = plan.operand(x_saved, x_scale, plan.input_scaler.max_val)
-            grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, plan.tail)
+            with profiled(GEMM):
+                grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, plan.tail)
             if w_mask is not None:
                 grad_w = grad_w * w_mask
             grad_w = grad_w.to(w_dtype)

@@ -46,6 +46,7 @@ from .fake_quant import FakeQuantResult, compute_scale, fake_quantize, fake_quan
 from .formats import Float8Format, get_format, saturation_threshold
 from .health import (DELAYED_ALGOS, WHATIF_ALGOS, current_never_clips, measure_health, whatif_clipped,
                      whatif_from_delayed)
+from .profiling import HEALTH, QUANTIZE, WHATIF, profiled
 from .recipe import AMAX_ALGOS
 from .scaler_bank import ScalerBank, _data_parallel, delayed_estimates
 
@@ -130,14 +131,15 @@ class AmaxScaler(nn.Module):
         ``whatif``: count the other estimators' clipping in the same pass where it can (a delayed scale and
         :func:`~qat_app.hif8.health.current_never_clips`; :meth:`measure` counts the rest with a pass of its own).
         """
-        if self.uses_current_scaling:
-            return fake_quantize_current(x, self.scale, self.max_val, self.margin, fmt, want_codes=want_codes,
-                                         power_2=self.power_2, noise=noise, fused=fused, grid=grid)
-        # a fresh tensor: the compiled kernel must not see a buffer view (its offset would be one more compilation)
-        whatif_scales = self.whatif_scale.clone() if whatif and self._whatif_in_pass(fmt) else None
-        result = fake_quantize(x, self.scale, self.max_val, fmt, want_codes=want_codes, noise=noise, fused=fused,
-                               grid=grid, whatif_scales=whatif_scales)
-        return result, self.scale.clone()
+        with profiled(QUANTIZE):
+            if self.uses_current_scaling:
+                return fake_quantize_current(x, self.scale, self.max_val, self.margin, fmt, want_codes=want_codes,
+                                             power_2=self.power_2, noise=noise, fused=fused, grid=grid)
+            # a fresh tensor: the compiled kernel must not see a buffer view (its offset: one more compilation)
+            whatif_scales = self.whatif_scale.clone() if whatif and self._whatif_in_pass(fmt) else None
+            result = fake_quantize(x, self.scale, self.max_val, fmt, want_codes=want_codes, noise=noise, fused=fused,
+                                   grid=grid, whatif_scales=whatif_scales)
+            return result, self.scale.clone()
 
     def _whatif_in_pass(self, fmt: str | Float8Format) -> bool:
         name = fmt if isinstance(fmt, str) else fmt.name
@@ -161,11 +163,13 @@ class AmaxScaler(nn.Module):
             whatif = whatif_from_delayed(result.whatif, result.amax, self.max_val, self.margin)
         elif self.has_history:
             threshold = saturation_threshold(fmt.name, float(self.max_val))
-            whatif = whatif_clipped(x, self.whatif_scale, result.amax, self.max_val, self.margin, threshold,
-                                    power_2=self.power_2, fused=fused)
+            with profiled(WHATIF):
+                whatif = whatif_clipped(x, self.whatif_scale, result.amax, self.max_val, self.margin, threshold,
+                                        power_2=self.power_2, fused=fused)
         if not health:
             return whatif, None
-        return whatif, measure_health(x, scale, self.max_val, fmt, noise, fused=fused)
+        with profiled(HEALTH):
+            return whatif, measure_health(x, scale, self.max_val, fmt, noise, fused=fused, grid=result.grid)
 
     @torch.no_grad()
     def observe(self, amax: torch.Tensor, clipped: torch.Tensor | None, numel: int,

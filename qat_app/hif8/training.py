@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .patch import quantized_linears, set_quantization
+from .profiling import SCALER_UPDATE, profiled
 from .scaler_bank import advance_all, discard_all, seed_all, sync_step_amax
 from .scaling import all_scalers
 
@@ -40,17 +41,18 @@ def sync_and_advance(model: nn.Module, nonfinite: torch.Tensor | bool | None = N
     ``nonfinite``: this rank's flag that its loss or gradients were NaN/inf (a bool or 0-d bool tensor);
     ``group``: the data-parallel process group (default: the world, a no-op without one).
     """
-    scalers = all_scalers(model)
-    flag = None if nonfinite is None else torch.as_tensor(nonfinite, dtype=torch.bool)
-    if flag is not None and scalers:
-        flag = flag.to(scalers[0].step_amax.device)
-    reduced = sync_step_amax(scalers, group=group, bad_step=flag)
-    if reduced is not None and bool(reduced):  # the one host sync
-        discard_all(scalers)
-        return True
-    advance_all(scalers)
-    release_weight_caches(model)
-    return False
+    with profiled(SCALER_UPDATE):
+        scalers = all_scalers(model)
+        flag = None if nonfinite is None else torch.as_tensor(nonfinite, dtype=torch.bool)
+        if flag is not None and scalers:
+            flag = flag.to(scalers[0].step_amax.device)
+        reduced = sync_step_amax(scalers, group=group, bad_step=flag)
+        if reduced is not None and bool(reduced):  # the one host sync
+            discard_all(scalers)
+            return True
+        advance_all(scalers)
+        release_weight_caches(model)
+        return False
 
 
 def release_weight_caches(model: nn.Module) -> None:

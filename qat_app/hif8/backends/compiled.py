@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from ..profiling import WHATIF, profiled
 from . import reference
 from .base import FakeQuantResult
 
@@ -65,8 +66,9 @@ class CompiledBackend:
             return result
         # a kernel of its own: fused into the quantize kernel, inductor's CPU code for the extra counts costs
         # six times what this separate read of x does (measured at 1.5M elements, benchmarks/step_overhead.py)
-        return result._replace(whatif=self._run(reference.whatif_counts, x, whatif_scales, clip_threshold,
-                                                like_input=False))
+        with profiled(WHATIF):
+            return result._replace(whatif=self._run(reference.whatif_counts, x, whatif_scales, clip_threshold,
+                                                    like_input=False))
 
     def quantize_current(self, *args) -> tuple[FakeQuantResult, torch.Tensor]:
         return self._run(reference.fake_quantize_current, *args)
