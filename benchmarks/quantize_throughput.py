@@ -63,6 +63,9 @@ def main() -> None:
         codes = fake_quantize(x, scale, 15.0, want_codes=True, fused="on").codes
         runs.append(("fused+codes", lambda: fake_quantize(x, scale, 15.0, want_codes=True, fused="on")))
         runs.append(("decode", lambda: dequantize_codes(codes, scale, "hif8", dtype, fused="on")))
+        # the emulated GEMM's operands: the grid values themselves (with the codes kept for backward), decoded back
+        runs.append(("grid+codes", lambda: fake_quantize(x, scale, 15.0, want_codes=True, fused="on", grid=True)))
+        runs.append(("decode grid", lambda: dequantize_codes(codes, None, "hif8", dtype, fused="on")))
         if args.triton and device == "cuda":
             from qat_app.hif8.backends.triton import fake_quantize_triton, supports
 

@@ -6,8 +6,11 @@ the two step by step so machine drift hits both alike, and prints the median ste
 Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the peak RSS (VmHWM) of a fresh
 child process per variant (a process's high-water mark cannot be reset, so each variant gets its
 own), running the same steps, with glibc's mmap threshold pinned so that RSS follows the live
-tensors (``--default-malloc`` adds the figure under glibc's defaults). Targets: time ratio <= 1.15
-on a CPU (quickstart model), <= 1.10 on a GPU (OpenPangu-shaped model); memory ratio <= 1.0.
+tensors (``--default-malloc`` adds the figure under glibc's defaults). Every round times each variant once,
+back to back: the baseline, QAT at the defaults (what-if on every step), a logging step (health measured and
+read out too) and QAT with the what-if off; the ratios are per round, to the baseline of the same round (median
+and range), and the QAT step is also given at log intervals 1, 10 and 50 (every diagnostic on). Targets:
+QAT / BF16 <= 1.05 at the default interval, health <= 3 % of the step it is measured in, memory ratio <= 1.0.
 
     python benchmarks/step_overhead.py                       # CPU, SmolLM2-135M, fp32
     python benchmarks/step_overhead.py --memory-only --bf16  # CPU, bf16 autocast (the GPU recipe)
@@ -22,6 +25,7 @@ baseline is ``dequantize_first``, the former path), alternating step by step lik
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -29,10 +33,13 @@ import statistics
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import torch
 
 from qat_app.config import QuantConfig, quantize_model
+from qat_app.hif8.quantized import set_health_measurement
+from qat_app.hif8.scaling import AmaxScaler
 from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance
 
 
@@ -77,25 +84,76 @@ class Variant:
         if quantized:
             end_warmup(model)
 
-    def step(self) -> None:
+    def step(self, diagnostics: str = "qat") -> None:
+        """One optimizer step; ``diagnostics`` (QAT): "qat" (what-if on: every step), "qat+health" (a logging step:
+        health measured too, and the saturation callback's read-out of the counters), "qat-whatif" (what-if off)."""
         autocast = torch.autocast(self.args.device, dtype=torch.bfloat16, enabled=self.args.bf16)
-        for ids in self.batches:
-            with autocast:
-                loss = self.model(input_ids=ids, labels=ids).loss / len(self.batches)
-            loss.backward()
-        if self.quantized:
-            sync_and_advance(self.model)  # the recipe's per-step protocol, as QATModule runs it
+        with diagnostics_as(self.model, diagnostics):
+            for ids in self.batches:
+                with autocast:
+                    loss = self.model(input_ids=ids, labels=ids).loss / len(self.batches)
+                loss.backward()
+            if self.quantized:
+                sync_and_advance(self.model)  # the recipe's per-step protocol, as QATModule runs it
+                read_counters(self.model, diagnostics)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed_step(self) -> float:
+    def timed_step(self, diagnostics: str = "qat") -> float:
         if self.args.device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        self.step()
+        self.step(diagnostics)
         if self.args.device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
+
+
+# the variants of one round: the baseline, QAT at the defaults (what-if on every step), a logging step (health
+# too), and QAT with the what-if off (its cost); a run's step costs ((N - 1) qat + qat+health) / N at log interval N
+DIAGNOSTICS = ("bf16", "qat", "qat+health", "qat-whatif")
+LOG_INTERVALS = (1, 10, 50)  # 50: Lightning's default log_every_n_steps
+
+
+@contextlib.contextmanager
+def diagnostics_as(model: torch.nn.Module, diagnostics: str):
+    set_health_measurement(model, diagnostics == "qat+health")
+    if diagnostics == "qat-whatif":  # no what-if: neither in the quantize pass nor a pass of its own
+        with mock.patch.object(AmaxScaler, "_whatif_in_pass", lambda self, fmt: False), \
+             mock.patch.object(AmaxScaler, "measure", lambda self, *args, **kwargs: (None, None)):
+            yield
+    else:
+        yield
+    set_health_measurement(model, False)
+
+
+def read_counters(model: torch.nn.Module, diagnostics: str) -> None:
+    """The saturation callback's per-step read-out (one device->host copy), with the health vectors on a logging
+    step."""
+    from callbacks.saturation import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
+    from qat_app.hif8.counters import HEALTH, gather_columns
+    from qat_app.hif8.health import summarize
+
+    counts = COUNT_FIELDS + ((WHATIF_COUNT,) if diagnostics != "qat-whatif" else ())
+    columns = gather_columns(named_scalers(model), FIELDS, counts + ((HEALTH,) if diagnostics == "qat+health" else ()))
+    if diagnostics == "qat+health":
+        summarize(columns[HEALTH], columns["last_amax"])
+
+
+def report_step_ratios(times: dict[str, list[float]]) -> None:
+    """Per variant: its steps, median, and the ratio to the baseline step of the same round (median and range over
+    the rounds); the step cost at each log interval."""
+    rounds = range(len(times["bf16"]))
+    ratios = {d: sorted(times[d][r] / times["bf16"][r] for r in rounds) for d in DIAGNOSTICS}
+    median = {d: statistics.median(ratios[d]) for d in DIAGNOSTICS}
+    for d in DIAGNOSTICS:
+        print(f"{d:>11}: steps {' '.join(f'{t:.2f}' for t in times[d])} s  median {statistics.median(times[d]):.3f} s  "
+              f"ratio to bf16 {median[d]:.3f} (rounds {ratios[d][0]:.3f}..{ratios[d][-1]:.3f})")
+    print(f"what-if costs {median['qat'] - median['qat-whatif']:+.3f} of a bf16 step; health costs "
+          f"{median['qat+health'] / median['qat'] - 1:+.3f} of the QAT step it is measured in")
+    for every in LOG_INTERVALS:
+        step = ((every - 1) * median["qat"] + median["qat+health"]) / every
+        print(f"log_every_n_steps={every:>2}: QAT step / bf16 step {step:.3f} (every diagnostic on)")
 
 
 # glibc's default malloc raises its mmap threshold every time a large block is freed, after which
@@ -202,17 +260,16 @@ def main() -> None:
     print(f"device={args.device} model={'openpangu-shaped' if args.openpangu else args.model} "
           f"tokens/step={args.micro_batch}x{args.seq_len}x{args.accumulate} bf16={args.bf16} fused={args.fused}")
     print(qat.report.summary())
-    base.timed_step(), qat.timed_step()  # warm-up: compilation, allocator
-    times = {"bf16": [], "qat": []}
-    for _ in range(args.steps):
-        times["bf16"].append(base.timed_step())
-        times["qat"].append(qat.timed_step())
-    t_base, t_qat = statistics.median(times["bf16"]), statistics.median(times["qat"])
-    print(f"step times (s): baseline {' '.join(f'{t:.2f}' for t in times['bf16'])}  "
-          f"QAT {' '.join(f'{t:.2f}' for t in times['qat'])}")
-    print(f"step time (median): baseline {t_base:.3f}s  QAT {t_qat:.3f}s  ratio {t_qat / t_base:.3f}")
+    for diagnostics in DIAGNOSTICS:  # warm-up: compilation (every variant's kernels), allocator
+        (base if diagnostics == "bf16" else qat).timed_step(diagnostics)
+    times = {d: [] for d in DIAGNOSTICS}
+    for _ in range(args.steps):  # one round: every variant once, back to back, so drift hits all alike
+        for diagnostics in DIAGNOSTICS:
+            times[diagnostics].append((base if diagnostics == "bf16" else qat).timed_step(diagnostics))
+    report_step_ratios(times)
+    qat = base = None
     if args.device == "cuda":
-        del base, qat, base_model, qat_model
+        del base_model, qat_model
         peaks = {}
         for name in ("bf16", "qat"):
             torch.cuda.empty_cache()

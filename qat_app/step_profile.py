@@ -205,13 +205,13 @@ class StepProfiler(Profiler):
 
     def __init__(self, steps: int = 0, start_step: Optional[int] = None, trace: bool = False) -> None:
         super().__init__()
+        self._torch_profiler = None
         if steps < 0:
             from qat_app.errors import ConfigError
 
             raise ConfigError(f"profile.steps: must be >= 0 (0 is off), got {steps}")
         self.steps, self.start_step, self.trace = steps, start_step, trace
         self.result: StepProfile | None = None
-        self._torch_profiler = None
         self._ranges: dict[str, record_function] = {}
         self._first_step = None
         self._last_fetch_step = None
