@@ -16,6 +16,7 @@ QAT / BF16 <= 1.05 at the default interval, health <= 3 % of the step it is meas
     python benchmarks/step_overhead.py --memory-only --bf16  # CPU, bf16 autocast (the GPU recipe)
     python benchmarks/step_overhead.py --openpangu --device cuda --seq-len 1024 --micro-batch 8
     python benchmarks/step_overhead.py --compare-gemm --no-memory   # QAT: emulated GEMM vs dequantize-first
+    python benchmarks/step_overhead.py --profile [--profile-health]  # where a BF16 and a QAT step's time goes
 
 ``--gemm`` sets the QAT variant's product (``model.quant.gemm``: ``emulated``, the default, or
 ``dequantize_first``); ``--compare-gemm`` times the two QAT variants against each other instead (the
@@ -102,10 +103,11 @@ class Variant:
     def timed_step(self, diagnostics: str = "qat") -> float:
         if self.args.device == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         self.step(diagnostics)
         if self.args.device == "cuda":
             torch.cuda.synchronize()
+        self.cpu_seconds = time.process_time() - cpu_start  # every thread of the process: what stolen cycles miss
         return time.perf_counter() - start
 
 
@@ -199,6 +201,28 @@ def child(args) -> None:
     print(json.dumps({"peak_rss": hwm_kb * 1024}))
 
 
+def profile_steps(args) -> None:
+    """The step profile's digest (qat_app.step_profile) of one BF16 and one QAT step (a logging step with
+    ``--profile-health``), same data: where each one's time goes, by category, on the CPU or CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qat_app.step_profile import StepProfile, categorize
+
+    first = build_model(args)
+    batches = make_batches(args, first.config.vocab_size)
+    variants = {"bf16": Variant(copy.deepcopy(first), batches, args, False), "qat": Variant(first, batches, args, True)}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    diagnostics = "qat+health" if args.profile_health else "qat"
+    for name, v in variants.items():
+        kind = "bf16" if name == "bf16" else diagnostics
+        v.timed_step(kind)  # warm-up: compilation
+        with profile(activities=activities) as prof:
+            wall = v.timed_step(kind)
+        cpu, device = categorize(prof.events())
+        result = StepProfile(1, 0, args.device, wall, cpu, device if args.device == "cuda" else {})
+        print(f"--- {kind} step ---\n{result.table()}")
+
+
 def compare_gemm(args) -> None:
     """QAT with the emulated GEMM against QAT dequantizing first: median step-time ratio, same process."""
     first = build_model(args)
@@ -236,6 +260,9 @@ def main() -> None:
     p.add_argument("--gemm", default="emulated", help="model.quant.gemm of the QAT variant")
     p.add_argument("--compare-gemm", action="store_true",
                    help="time QAT with gemm=emulated against QAT with gemm=dequantize_first (the baseline)")
+    p.add_argument("--profile", action="store_true",
+                   help="print the step profile's digest of one BF16 and one QAT step instead of timing")
+    p.add_argument("--profile-health", action="store_true", help="with --profile: the QAT step is a logging step")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (default on cuda)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--memory-only", action="store_true")
@@ -252,6 +279,8 @@ def main() -> None:
         return report_peak_rss(args)
     if args.compare_gemm:
         return compare_gemm(args)
+    if args.profile:
+        return profile_steps(args)
     base_model = build_model(args)
     qat_model = copy.deepcopy(base_model)
     batches = make_batches(args, base_model.config.vocab_size)
@@ -263,10 +292,17 @@ def main() -> None:
     for diagnostics in DIAGNOSTICS:  # warm-up: compilation (every variant's kernels), allocator
         (base if diagnostics == "bf16" else qat).timed_step(diagnostics)
     times = {d: [] for d in DIAGNOSTICS}
+    cpu_times = {d: [] for d in DIAGNOSTICS}
     for _ in range(args.steps):  # one round: every variant once, back to back, so drift hits all alike
         for diagnostics in DIAGNOSTICS:
-            times[diagnostics].append((base if diagnostics == "bf16" else qat).timed_step(diagnostics))
+            variant = base if diagnostics == "bf16" else qat
+            times[diagnostics].append(variant.timed_step(diagnostics))
+            cpu_times[diagnostics].append(variant.cpu_seconds)
+    print("wall-clock time:")
     report_step_ratios(times)
+    if args.device == "cpu":  # on a shared machine, steal time moves the wall clock; the CPU time less so
+        print("process CPU time (both cores):")
+        report_step_ratios(cpu_times)
     qat = base = None
     if args.device == "cuda":
         del base_model, qat_model

@@ -127,3 +127,21 @@ def test_gpu_time_is_counted_per_category_on_cuda():
         torch.cuda.synchronize()
     _, device = categorize(prof.events())
     assert device[QUANTIZE] > 0 and device[GEMM] > 0 and device[SCALER] > 0
+
+
+def test_a_real_collective_is_communication(tmp_path):
+    """The names torch records for gloo's all-reduce and all-gather (what DDP and FSDP2 run) are caught."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        t = torch.randn(1 << 16)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            dist.all_reduce(t)
+            dist.all_gather_into_tensor(torch.empty_like(t), t)
+        cpu, _ = categorize(prof.events())
+        collective = [e for e in prof.events() if "allreduce" in e.name or "allgather" in e.name]
+    finally:
+        dist.destroy_process_group()
+    assert {e.name.split("::")[0] for e in collective} and cpu[COMMUNICATION] > 0
+    assert cpu[COMMUNICATION] >= sum(e.self_cpu_time_total for e in collective) / 1e6 * (1 - 1e-9)  # all of theirs
