@@ -5,7 +5,8 @@ user reasons in.
 :class:`StepProfiler` the trainer's profiler (Lightning's profiler interface: it receives every Lightning action,
 the data fetch, the optimizer step, the callbacks, and marks them as ranges while it records). It records
 ``steps`` whole optimizer steps (every micro-batch, their data fetches, callbacks and any validation between
-them), by default from the second step after the BF16 warmup's switch (the first quantized step compiles), and
+them), by default from the step after the first logging step after the BF16 warmup's switch (the first
+quantized step compiles the quantize kernels, the first logging step the health ones), and
 sorts the time of every recorded op by the innermost range it ran in:
 
     quantize          fake quantization of inputs, weights and gradients, decoding saved codes, the quantized
@@ -19,6 +20,7 @@ sorts the time of every recorded op by the innermost range it ran in:
     communication     collectives (all-reduce, all-gather, reduce-scatter, broadcast), wherever they run
     other compute     the rest of the model's ops: attention, norms, activations, the loss
     callbacks and logging
+    checkpointing     saving checkpoints (their state dicts and files)
     framework         time inside Lightning / autograd ranges but in no op (Python, the autograd engine)
 
 On a CPU each op's *self* CPU time is counted (one thread runs forward and backward: the categories add up to the
@@ -52,8 +54,9 @@ log = logging.getLogger(__name__)
 
 QUANTIZE, GEMM, SCALER, HEALTH = "quantize", "gemm", "scaler update", "health and what-if"
 OPTIMIZER, DATA, EVALUATION, COMMUNICATION = "optimizer", "data", "evaluation", "communication"
-OTHER, CALLBACKS, FRAMEWORK = "other compute", "callbacks and logging", "framework"
-CATEGORIES = (QUANTIZE, GEMM, SCALER, HEALTH, OPTIMIZER, DATA, EVALUATION, COMMUNICATION, OTHER, CALLBACKS, FRAMEWORK)
+OTHER, CALLBACKS, CHECKPOINT, FRAMEWORK = "other compute", "callbacks and logging", "checkpointing", "framework"
+CATEGORIES = (QUANTIZE, GEMM, SCALER, HEALTH, OPTIMIZER, DATA, EVALUATION, COMMUNICATION, OTHER, CALLBACKS,
+              CHECKPOINT, FRAMEWORK)
 UNRANGED = "not in a range"
 QUANTIZATION_CATEGORIES = (QUANTIZE, SCALER, HEALTH)  # what a BF16 step does not do
 
@@ -75,13 +78,22 @@ def _lightning_category(action: str) -> str | None:
         return EVALUATION
     if "optimizer_zero_grad" in action or "clip_gradients" in action or "configure_gradient_clipping" in action:
         return OPTIMIZER
+    if "save_checkpoint" in action or "state_dict" in action:
+        return CHECKPOINT
     if action.startswith("[Callback]"):
         return CALLBACKS
+    if "training_step" in action or "backward" in action:
+        return CONTAINER  # Lightning runs them inside Optimizer.step's closure: not the optimizer's
     return None
 
 
+CONTAINER = ""  # the training step and backward: what runs inside them is sorted by itself, not by Optimizer.step
+
+
 def range_category(name: str) -> str | None:
-    """The category a range (or op) named ``name`` puts its own time and its children's in; None: it does not."""
+    """The category a range (or op) named ``name`` puts its own time and its children's in; :data:`CONTAINER`: a
+    Lightning action that holds other work (the training step, backward: Lightning runs them inside
+    ``Optimizer.step``'s closure, and they are not the optimizer's); None: not a range that sorts."""
     if name in _RANGE_CATEGORY:
         return _RANGE_CATEGORY[name]
     if _COMMUNICATION.search(name):
@@ -118,7 +130,7 @@ def categorize(events) -> tuple[dict[str, float], dict[str, float]]:
     device = dict.fromkeys(CATEGORIES, 0.0)
     for event in events:
         category = (COMMUNICATION if _COMMUNICATION.search(event.name) else None) or enclosing(event) \
-            or _own_category(event.name)
+            or _own_category(event.name)  # (a container's "" is falsy: the op's own category)
         cpu[category] += event.self_cpu_time_total / 1e6
         device[category] += getattr(event, "self_device_time_total", 0.0) / 1e6
     return cpu, device
@@ -198,8 +210,8 @@ class StepProfiler(Profiler):
 
     Args:
         steps: optimizer steps to record (0: off).
-        start_step: the first recorded step (global step); default: two steps after the BF16 warmup's switch
-            (``warmup.warmup_steps + 1``), or step 1 without a warmup.
+        start_step: the first recorded step (global step); default: ``warmup.warmup_steps +
+            trainer.log_every_n_steps + 1``, past every first-time compilation (no later than ``max_steps - steps``).
         trace: also write the Chrome trace (``profile_trace.json`` beside ``profile.json``).
     """
 
@@ -252,7 +264,9 @@ class StepProfiler(Profiler):
         from callbacks.warmup import BF16WarmupCallback
 
         warmup = next((c for c in trainer.callbacks if isinstance(c, BF16WarmupCallback)), None)
-        start = warmup.warmup_steps + 1 if warmup is not None and warmup.warmup_steps > 0 else 1
+        switch = warmup.warmup_steps if warmup is not None else 0
+        # after the switch (the quantize kernels compile) and the first logging step after it (the health ones)
+        start = switch + trainer.log_every_n_steps + 1
         if trainer.max_steps and trainer.max_steps > 0 and start + self.steps > trainer.max_steps:
             start = max(trainer.max_steps - self.steps, 0)
         return start
