@@ -37,7 +37,11 @@ import os
 import lightning as L
 import torch
 
+from qat_app.errors import ConfigError
 from qat_app.hif8.counters import HEALTH, as_rows, gather_columns
+from qat_app.hif8.errors import FieldError
+from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, validate_grid
+from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, WHATIF_ALGOS, summarize
 from qat_app.hif8.fallback import fallen_back, quantized_tensors, scaler_pairs
 from qat_app.hif8.quantized import set_health_measurement
@@ -71,18 +75,49 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> tuple | None:
+    """(the max_val grid with the run's own added, operand -> the run's max_val, format, margin, power_2, the block
+    pattern) of
+    ``model``'s quantized tensors (None without any); a grid the format cannot hold names
+    ``saturation.headroom_grid``."""
+    tensors = quantized_tensors(model)
+    if not tensors:
+        return None
+    _, layer, _ = tensors[0]
+    run_max_val = {operand: float(layer.scaler_of(operand).max_val) for _, layer, operand in tensors}
+    scaler = layer.scaler_of(tensors[0][2])
+    try:
+        values = validate_grid(DEFAULT_GRID if grid is None else grid, layer.format.name, "headroom_grid")
+    except FieldError as err:
+        raise ConfigError(f"saturation.{err.field}{err.sep}{err.message}") from None
+    values = tuple(sorted(set(values) | set(run_max_val.values())))
+    return values, run_max_val, layer.format.name, float(scaler.margin), bool(scaler.power_2), block_pattern
+
+
 class AmaxSaturationCallback(L.Callback):
     """Args:
         per_layer: log the per-layer keys (every ``trainer.log_every_n_steps``).
         summary_file: name of the JSON summary written at the end of fit (None: none).
         health: measure and log numeric health every ``trainer.log_every_n_steps`` (per tensor with ``per_layer``).
+        headroom: with the health figures, the what-if headroom (:mod:`qat_app.hif8.headroom`): each tensor's
+            SQNR and clipping at every ``max_val`` of ``headroom_grid``, and the suggested ``max_val``. None (the
+            default): on where health is measured.
+        headroom_grid: the ``max_val`` settings evaluated (None: :data:`qat_app.hif8.headroom.DEFAULT_GRID`); the
+            run's own ``max_val`` is always added.
     """
 
     def __init__(self, per_layer: bool = True, summary_file: str | None = "saturation_summary.json",
-                 health: bool = True) -> None:
+                 health: bool = True, headroom: bool | None = None, headroom_grid: list[float] | None = None) -> None:
         self.per_layer = per_layer
         self.summary_file = summary_file
         self.health = health
+        if headroom and not health:
+            raise ConfigError("saturation.headroom needs the health measurement (its histograms): set "
+                              "saturation.health true, or saturation.headroom false")
+        self.headroom = health if headroom is None else headroom
+        self.headroom_grid = headroom_grid
+        self._headroom_setup: tuple | None = None  # (grid, operand -> the run's max_val, format, margin, power_2)
+        self.headroom_last: dict | None = None  # the last measured step's digest (qat_app.hif8.headroom.digest)
         self._logged_step = -1
         self._measuring = False  # the quantized matmuls' health switch, as last set
         self.summary_path: str | None = None
@@ -92,16 +127,21 @@ class AmaxSaturationCallback(L.Callback):
 
     def state_dict(self) -> dict:
         return {"first_clipped_step": dict(self.first_clipped_step), "health_last": dict(self.health_last),
-                "health_worst": dict(self.health_worst)}
+                "health_worst": dict(self.health_worst), "headroom_last": self.headroom_last}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.first_clipped_step = dict(state_dict.get("first_clipped_step", {}))
         self.health_last = dict(state_dict.get("health_last", {}))
         self.health_worst = dict(state_dict.get("health_worst", {}))
+        self.headroom_last = state_dict.get("headroom_last")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # before the strategy wraps the module: DDP must not overwrite each rank's counters with rank 0's
         keep_scalers_out_of_ddp_broadcast(pl_module)
+        if self.headroom:
+            quant = getattr(pl_module, "quant", None)
+            self._headroom_setup = headroom_setup(pl_module.model, self.headroom_grid,
+                                                  getattr(quant, "block_pattern", DEFAULT_BLOCK_PATTERN))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # a resumed run logged the step before the checkpoint already: start with the next one
@@ -188,6 +228,31 @@ class AmaxSaturationCallback(L.Callback):
             metrics["health/min_sqnr_db"] = min(sqnrs)
         if any(measured):
             metrics["health/underflow_frac"] = float(underflow.sum()) / float(numel.sum())
+            if self._headroom_setup is not None:
+                metrics.update(self._headroom_metrics(pairs, columns, measured, step))
+        return metrics
+
+    def _headroom_metrics(self, pairs, columns: dict[str, torch.Tensor], measured: list[bool],
+                          step: int) -> dict[str, float]:
+        """The what-if headroom of the measured tensors of ``step``: kept as ``headroom_last`` (the summary's), logged
+        per operand (the mean estimated SQNR at each max_val, the suggested max_val and its estimated gain)."""
+        grid, run_max_val, fmt_name, margin, power_2, block_pattern = self._headroom_setup
+        rows = [i for i, m in enumerate(measured) if m]
+        names = [pairs[i][0] for i in rows]
+        a_hat, amax = columns["last_a_hat"][rows], columns["last_amax"][rows]
+        estimate = estimate_headroom(columns[HEALTH][rows], torch.where(a_hat > 0, a_hat, amax), amax, grid, fmt_name,
+                                     margin, power_2)
+        self.headroom_last = {"step": step, **digest(names, estimate, run_max_val, block_pattern)}
+        metrics = {}
+        for operand, entry in (("all", self.headroom_last), *self.headroom_last["by_operand"].items()):
+            best = entry["suggested"]["all"] if operand == "all" else entry["suggested"]
+            if best is not None:
+                metrics[f"headroom/{operand}/best_max_val"] = best
+            if entry["gain_db"] is not None:
+                metrics[f"headroom/{operand}/gain_db"] = entry["gain_db"]
+            if operand != "all":
+                metrics.update({f"headroom/{operand}/sqnr_db/max_val_{m:g}": v
+                                for m, v in zip(grid, entry["sqnr_db"]) if v is not None})
         return metrics
 
     def summary(self, pl_module: L.LightningModule) -> dict:
@@ -236,6 +301,7 @@ class AmaxSaturationCallback(L.Callback):
             "whatif": {algo: {key: sum(t["whatif"][algo][key] for t in tensors.values())
                               for key in ("clipped", "events")} for algo in WHATIF_ALGOS},
             "fallback": sorted(fallback.values(), key=lambda entry: entry.get("step", 0)),  # in the order decided
+            "headroom": self.headroom_last,
             "health_worst": [{"tensor": name, "worst_sqnr_db": _finite_or_none(w["sqnr_db"]), "step": w["step"],
                               "last": self.health_last.get(name)} for name, w in worst_first],
             "definition": "clipped: the clamp to +-max_val changed the element's quantized value; seen: elements of "
@@ -247,7 +313,11 @@ class AmaxSaturationCallback(L.Callback):
                           "amax / p99.9(|x|) (p99.9 from a ~9 % log histogram: at most 12.5 % high), tiers: fractions of "
                           "elements by the mantissa bits of their quantized value; fallback: the tensors the fallback "
                           "policy (qat_app.hif8.fallback) switched to current scaling or high precision, with the step "
-                          "whose counters decided, the rule and its evidence",
+                          "whose counters decided, the rule and its evidence; headroom: at the last measured step, each tensor's SQNR "
+                          "and clipped elements estimated at every max_val of the grid from its |x| histogram (estimate: "
+                          "uniform within a bin; low/high: the bound that holds for any tensor, qat_app.hif8.headroom), "
+                          "per operand and block the mean estimated SQNR, and the suggested max_val (the highest mean "
+                          "SQNR with no more possibly-clipped elements than at the run's own max_val)",
             "tensors": tensors,
         }
 

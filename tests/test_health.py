@@ -266,3 +266,19 @@ def test_fit_logs_health_and_whatif_and_summarizes_them(tmp_path, tiny_model_dir
     entry = summary["tensors"][worst[0]["tensor"]]
     assert entry["health"]["worst_sqnr_db"] == worst[0]["worst_sqnr_db"] <= entry["health"]["last"]["sqnr_db"]
     assert set(entry["whatif"]) == set(WHATIF_ALGOS)
+
+    # the what-if headroom of the last measured step: at the run's own max_val its bound holds the exact SQNR the
+    # health measured on the same step, and its estimate lies within the estimator's accuracy of it
+    from qat_app.hif8.headroom import ACCURACY_DB
+
+    headroom = summary["headroom"]
+    assert headroom["step"] == max(health_steps) and 15.0 in headroom["grid"] and headroom["suggested"]["all"] is not None
+    run = headroom["grid"].index(15.0)
+    assert set(headroom["tensors"]) == set(summary["tensors"])
+    for name, estimate in headroom["tensors"].items():
+        last = summary["tensors"][name]["health"]["last"]
+        assert last["step"] == headroom["step"]
+        low, high = estimate["sqnr_db_low"][run], estimate["sqnr_db_high"][run]
+        assert low - 1e-9 <= last["sqnr_db"] <= (math.inf if high is None else high) + 1e-9, name
+        assert abs(estimate["sqnr_db"][run] - last["sqnr_db"]) < ACCURACY_DB, name
+    assert {"headroom/all/best_max_val", "headroom/input/best_max_val", "headroom/weight/gain_db"} <= set(logged)

@@ -87,6 +87,11 @@ def test_fit_prints_summary_and_counts_steps(tmp_path, tiny_model_dir, tiny_corp
     assert sat["seen"] > 0
     assert (f"saturation    {sat['clipped']} of {sat['seen']:.3g} quantized elements clipped ({sat['clipped_frac']:.1e}), "
             f"{sat['saturation_events']} saturation events [{sat_file}]") in block
+    headroom = sat["headroom"]  # measured at the last logged step: its suggestion is in the block, with its verdict
+    best = headroom["suggested"]["all"]
+    assert (f"headroom      suggested max_val {best:g} (mean SQNR {headroom['sqnr_db'][headroom['grid'].index(best)]:.1f} "
+            f"dB, no more clipping than the run; {headroom['gain_db']:+.2f} dB estimated over 15, ") in block
+    assert ("beyond" if headroom["significant"] else "inside") + " the estimate's error (0.75 dB)" in block
     assert "logs          runs/tiny/logs/version_0" in block
     ckpt = os.path.join("runs", "tiny", "checkpoints", "last.ckpt")
     assert os.path.exists(ckpt)

@@ -187,7 +187,7 @@ def benchmark_keys(runs: Iterable[Run], pattern: str | None = None) -> list[str]
 
 def saturation_stats(run: Run) -> dict | None:
     """Clipped / seen elements, events, tensors that clipped, first clipped step, min headroom, the tensors that fell
-    back (``callbacks.fallback``)."""
+    back (``callbacks.fallback``), the what-if headroom of the last measured step."""
     s = run.summary
     first_csv = next((step for step, v in run.series("sat/clipped").items() if v > 0), None)
     if s is not None and (s.get("quantized_tensors", 1) or s.get("seen")):
@@ -216,6 +216,7 @@ def saturation_stats(run: Run) -> dict | None:
     out["tensors_clipped"] = sorted(names, key=natural_key)
     out["layers_clipped"] = len(out["tensors_clipped"])
     out["fallback"] = list(s.get("fallback") or []) if s is not None else []  # the fallback policy's decisions
+    out["headroom"] = s.get("headroom") if s is not None else None  # the what-if headroom (qat_app.hif8.headroom)
     return out
 
 

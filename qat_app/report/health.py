@@ -313,6 +313,34 @@ def render_health(results: list[dict], top: int = TOP_TENSORS) -> list[str]:
     return lines
 
 
+def render_headroom(results: list[dict]) -> list[str]:
+    """Markdown lines: per QAT run, the what-if headroom of its last measured step (:mod:`qat_app.hif8.headroom`):
+    the mean estimated SQNR per operand at each max_val, the suggestion and whether it is beyond the estimate's
+    error (or one line: no run recorded it)."""
+    from ..hif8.headroom import ACCURACY_DB
+
+    runs = [(r["label"], h) for r in results if isinstance(h := (r.get("saturation") or {}).get("headroom"), dict)]
+    lines = ["", "## What-if headroom (max_val)", ""]
+    if not runs:
+        return lines + [f"{NOT_RECORDED} (saturation.headroom: measured with the health figures, by runs made since)."]
+    lines.append("Each tensor's SQNR at other `max_val` settings (same a_hat), estimated from its |x| histogram at the last "
+                 f"measured step; within {ACCURACY_DB} dB of exact recomputation on the tests' tensors, with a bound that "
+                 "holds for any tensor (`saturation_summary.json`). To first order, on this run's trajectory; an SQNR "
+                 "gain is not a loss or benchmark gain.")
+    for label, h in runs:
+        grid = h["grid"]
+        lines += ["", f"### `{label}` (step {h.get('step')}): suggested max_val {_fmt(h['suggested'].get('all'), 'g')}, "
+                      f"{_fmt(h.get('gain_db'), '+.2f')} dB estimated, "
+                      + ("beyond" if h.get("significant") else "inside") + " the estimate's error", "",
+                  "| operand | " + " | ".join(f"{m:g}" for m in grid) + " | suggested | gain (dB) |",
+                  "|---|" + "---:|" * (len(grid) + 2)]
+        for operand, entry in h.get("by_operand", {}).items():
+            cells = [_fmt(v, ".2f") for v in entry["sqnr_db"]]
+            lines.append(f"| {operand} (run: {entry['run_max_val']:g}) | " + " | ".join(cells)
+                         + f" | {_fmt(entry.get('suggested'), 'g')} | {_fmt(entry.get('gain_db'), '+.2f')} |")
+    return lines
+
+
 def render_fallback(results: list[dict]) -> list[str]:
     """Markdown lines: every tensor the fallback policy switched, per QAT run (or one line: none did)."""
     lines = ["", "## Automatic fallback", ""]

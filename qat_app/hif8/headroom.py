@@ -1,0 +1,320 @@
+"""What-if headroom: the SQNR and clipping a quantized tensor would have had at other ``max_val`` settings.
+
+``max_val`` decides where a tensor lands on a tapered format: the element at the estimate ``a_hat`` goes to
+``max_val`` (the scale is ``s = max_val / a_hat``), so a smaller ``max_val`` puts the bulk of the tensor in the
+3-mantissa-bit band of HiF8 (|e| <= 3) but leaves less room above ``a_hat``, a larger one the reverse. One run holds
+what is needed to answer the question for every ``max_val`` at once: the |x| histogram of each tensor that the health
+measurement keeps (:mod:`.health`: one bin per float32 exponent and 3 top mantissa bits, 8 per binade) and the
+scale it was quantized with.
+
+**The estimate.** At ``max_val = m`` the scale is ``s_m = m / a_hat / 2^margin`` (the scaler's own rule,
+:func:`~.backends.reference.current_scale`, with the same ``a_hat``). An element ``x`` becomes ``y = |x| s_m`` and is
+quantized to ``Q(y) = round(min(y, m))`` on the format's grid; its error is ``|y - Q(y)| / s_m``, and it is *clipped*
+when ``y >= saturation_threshold(m)`` (the one clipping definition, :mod:`.fake_quant`). A histogram bin
+``[L, U)`` maps to ``[L s_m, U s_m)``; the estimate takes the bin's elements spread uniformly over it and integrates
+the squared error over the format's true grid exactly (piecewise quadratics between grid points and rounding
+midpoints), so the only assumption is uniformity *within* a bin of width 1/8 binade.
+
+**The bound** (deterministic, whatever the distribution inside the bins): every element of a bin has an error between
+the smallest and the largest error of any point of the bin, so the error power lies in ``[sum_b n_b min_b,
+sum_b n_b max_b]``; the SQNR in ``[10 log10(S / E_max), 10 log10(S / E_min)]`` (``S = sum x^2``, exact, measured);
+the clipped count in ``[elements of bins wholly above the threshold, elements of bins reaching above it]``. The bin
+edges are exact float32 numbers; ``y`` is ``fl(|x| s)``, which moves ``y`` by at most 2^-24 relative: the bounds
+are widened by that much. For a smooth distribution the estimate is much closer than the bound (within a few tenths
+of a dB on Gaussian and Student-t tensors, tests/test_headroom.py); the bound is what holds for any tensor.
+
+**What it is not**: the SQNR of one tensor at one step, to first order (the trajectory is the one trained with the
+run's own ``max_val``), and not a benchmark: an SQNR gain is a smaller quantization error, which may or may not show
+in the loss or a benchmark.
+
+Host-side arithmetic on the health vectors the saturation callback already read (float64, no device work).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .backends.reference import current_scale
+from .errors import FieldError
+from .formats import get_format, saturation_threshold
+from .health import HIST_BINS, HIST_OFFSET, bin_lower_edge
+from .recipe import DEFAULT_BLOCK_PATTERN
+
+# the max_val settings evaluated by default: from 2 to HiF8's largest finite value, the paper's 15 included
+DEFAULT_GRID = (2.0, 3.0, 4.0, 6.0, 7.5, 8.0, 12.0, 15.0, 16.0, 24.0, 32.0, 64.0, 256.0, 1024.0, 32768.0)
+_FP32_SLACK = 2.0**-24  # |fl(|x| s) - |x| s| <= 2^-24 |x| s (round to nearest)
+
+
+def validate_grid(max_vals, fmt_name: str = "hif8", field: str = "headroom_grid") -> tuple[float, ...]:
+    """The ``max_val`` grid as floats, sorted; a value the format cannot hold (not finite, not above its smallest
+    positive value, above its largest finite value) or an empty grid is a :class:`FieldError` naming ``field``."""
+    fmt = get_format(fmt_name)
+    values = sorted({float(v) for v in max_vals})
+    if not values:
+        raise FieldError(field, "empty: give at least one max_val")
+    smallest = float(_grid(fmt_name)[1])
+    for v in values:
+        if not math.isfinite(v) or v < smallest or v > fmt.max_finite:
+            raise FieldError(field, f"{v:g} is outside what {fmt_name} can hold as a max_val "
+                                    f"([{smallest:.3g}, {fmt.max_finite:g}])")
+    return tuple(values)
+
+
+@functools.lru_cache(maxsize=None)
+def _grid(fmt_name: str) -> torch.Tensor:
+    """The format's non-negative finite values, ascending, float64 (from its own decode table)."""
+    values = get_format(fmt_name).decode(torch.arange(256, dtype=torch.int32).to(torch.uint8), torch.float32).double()
+    values = values[torch.isfinite(values) & (values >= 0)]
+    return torch.unique(values)  # sorted
+
+
+def _segment(grid: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Index i of the grid segment [g_i, g_{i+1}] holding y (clamped to the last segment)."""
+    return (torch.searchsorted(grid, y, right=True) - 1).clamp(0, grid.numel() - 2)
+
+
+def _partial(y: torch.Tensor, lo: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Integral of the squared distance to the nearest of {lo, lo + h} over [lo, y], y in [lo, lo + h]."""
+    t = (y - lo).clamp(min=0.0)
+    half = h / 2
+    inside = t <= half
+    return torch.where(inside, t**3 / 3, half**3 / 3 + (half**3 - (h - t).clamp(min=0.0) ** 3) / 3)
+
+
+def _distance(y: torch.Tensor, lo: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return torch.minimum((y - lo).abs(), (lo + h - y).abs())
+
+
+def _grid_error(grid: torch.Tensor, a: torch.Tensor, c: torch.Tensor):
+    """Over [a, c] (c >= a, both within the grid's range), rounding to the nearest grid value: (integral of the
+    squared error, its smallest, its largest squared error)."""
+    h_all = grid[1:] - grid[:-1]
+    cumulative = torch.cat([torch.zeros(1, dtype=grid.dtype), torch.cumsum(h_all**3 / 12, 0)])
+    ia, ic = _segment(grid, a), _segment(grid, c)
+    ga, ha, gc, hc = grid[ia], h_all[ia], grid[ic], h_all[ic]
+    integral = (cumulative[ic] - cumulative[ia]) + _partial(c, gc, hc) - _partial(a, ga, ha)
+
+    def segment_max(lo_y, hi_y, g, h):
+        mid = g + h / 2
+        return torch.where((lo_y <= mid) & (mid <= hi_y), h / 2, torch.maximum(_distance(lo_y, g, h), _distance(hi_y, g, h)))
+
+    same = ia == ic
+    first = segment_max(a, torch.where(same, c, ga + ha), ga, ha)
+    last = segment_max(torch.where(same, a, gc), c, gc, hc)
+    # the spacing grows with the magnitude (tapered and IEEE-like formats alike): the widest interior segment is ic-1
+    interior = torch.where(ic - 1 > ia, h_all[(ic - 1).clamp(min=0)] / 2, 0.0)
+    largest = torch.maximum(torch.maximum(first, last), interior)
+    contains_grid_point = ~same | (a == ga) | (c == ga + ha)
+    smallest = torch.where(contains_grid_point, 0.0, torch.minimum(_distance(a, ga, ha), _distance(c, ga, ha)))
+    return integral.clamp(min=0.0), smallest**2, largest**2
+
+
+@dataclass(frozen=True)
+class HeadroomEstimate:
+    """Per tensor (rows) and ``max_val`` (columns), float64: the estimated SQNR (dB) with its guaranteed interval, and
+    the estimated clipped elements with theirs. ``sqnr_db`` is +inf for an error-free tensor, NaN without signal."""
+
+    max_vals: tuple[float, ...]
+    sqnr_db: torch.Tensor
+    sqnr_db_low: torch.Tensor
+    sqnr_db_high: torch.Tensor
+    clipped: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    numel: torch.Tensor  # [m]
+
+
+def _sqnr(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    db = torch.where(noise > 0, 10 * torch.log10(signal / noise.clamp(min=1e-300)), math.inf)
+    return torch.where(signal > 0, db, math.nan)
+
+
+def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Tensor, max_vals, fmt_name: str = "hif8",
+                      margin: float = 0.0, power_2: bool = False) -> HeadroomEstimate:
+    """The what-if headroom of tensors from their summed health vectors ``health`` [m, HEALTH_LEN] (:mod:`.health`),
+    the ``a_hat`` [m] they were quantized with and their ``amax`` [m] (which bounds the top occupied bin: its largest
+    element is known exactly), at each ``max_val`` of ``max_vals`` (the module docstring)."""
+    health = health.double().reshape(-1, health.shape[-1])
+    m = health.shape[0]
+    max_vals = tuple(float(v) for v in max_vals)
+    grid = _grid(fmt_name)
+    counts = health[:, HIST_OFFSET + 1:]  # bin 0 holds the zeros: no error, never clipped
+    bins = torch.arange(1, HIST_BINS, dtype=torch.int64)
+    lower = bin_lower_edge(bins).double()
+    upper = bin_lower_edge(bins + 1).double()
+    finite = torch.isfinite(upper) & (bins < HIST_BINS - 1)
+    occupied = counts.sum(dim=0) > 0  # a tensor spans ~30 of the 255 binades: only occupied bins are evaluated
+    nonfinite_counts = counts[:, ~finite].sum(dim=1)  # inf / NaN elements: the error is not finite
+    counts = counts[:, finite & occupied]
+    amax = amax.double().reshape(-1, 1)
+    lower, upper = lower[finite & occupied], upper[finite & occupied]
+    lower, upper = torch.minimum(lower, amax), torch.minimum(upper, amax)  # [m, bins]
+    signal = health[:, 1]  # sum x^2 (FIELDS order: numel, sum_x2, ...)
+    a_hat = a_hat.double().reshape(-1).to(torch.float32)
+    shape = (m, len(max_vals))
+    out = {k: torch.zeros(shape, dtype=torch.float64) for k in ("mean", "low", "high", "clip", "clip_low", "clip_high")}
+    for j, max_val in enumerate(max_vals):
+        scale = current_scale(a_hat, max_val, margin, torch.ones_like(a_hat), power_2).double()[:, None]  # [m, 1]
+        threshold = saturation_threshold(fmt_name, max_val)
+        clamp_value = float(get_format(fmt_name).round_f32(torch.tensor([max_val], dtype=torch.float32)))
+        a, b = lower * scale, upper * scale  # [m, bins]: each bin on the scaled axis
+        a_lo, b_hi = a * (1 - _FP32_SLACK), b * (1 + _FP32_SLACK)  # fl(|x| s) moves y by at most 2^-24
+        top = torch.full_like(a, max_val)
+        # the part of a bin rounded on the grid, [a, min(b, max_val)], and the part clamped to round(max_val)
+        on_grid = a < max_val
+        start, stop = torch.where(on_grid, a, top), torch.minimum(b, top)
+        integral, _, _ = _grid_error(grid, start, torch.maximum(stop, start))
+        wide_start = torch.where(on_grid, a_lo, top)
+        _, smallest, largest = _grid_error(grid, wide_start, torch.maximum(torch.minimum(b_hi, top), wide_start))
+        clamped = b > max_val
+        clamp_start = torch.maximum(a, top)
+        integral = integral + torch.where(clamped, ((b - clamp_value) ** 3 - (clamp_start - clamp_value) ** 3) / 3, 0.0)
+        e_lo, e_hi = torch.maximum(a_lo, top) - clamp_value, b_hi - clamp_value
+        clamp_max = torch.maximum(e_lo**2, e_hi**2)
+        clamp_min = torch.where((e_lo <= 0) & (e_hi >= 0), 0.0, torch.minimum(e_lo**2, e_hi**2))
+        largest = torch.where(clamped, torch.maximum(largest, clamp_max), largest)
+        smallest = torch.where(clamped, torch.where(on_grid, torch.minimum(smallest, clamp_min), clamp_min), smallest)
+        to_x = 1.0 / scale[:, 0] ** 2  # errors on the scaled axis, back to x's units
+        width = b - a  # 0: a bin whose elements all equal amax (a bin edge): the error of that point
+        mean = torch.where(width > 0, integral / torch.where(width > 0, width, 1.0), largest)
+        out["mean"][:, j] = (counts * mean).sum(dim=1) * to_x
+        out["low"][:, j] = (counts * smallest).sum(dim=1) * to_x
+        out["high"][:, j] = (counts * largest).sum(dim=1) * to_x
+        above = torch.where(width > 0, (b - torch.maximum(a, torch.full_like(a, threshold))) / torch.where(
+            width > 0, width, 1.0), (a >= threshold).double()).clamp(0.0, 1.0)
+        out["clip"][:, j] = (counts * above).sum(dim=1)
+        out["clip_low"][:, j] = (counts * (a_lo >= threshold)).sum(dim=1)
+        out["clip_high"][:, j] = (counts * (b_hi >= threshold)).sum(dim=1)
+    bad = (nonfinite_counts > 0)[:, None]
+    signal = signal[:, None]
+
+    def sqnr(noise):
+        return torch.where(bad, math.nan, _sqnr(signal.expand(shape), noise))
+
+    return HeadroomEstimate(max_vals, sqnr(out["mean"]), sqnr(out["high"]), sqnr(out["low"]), out["clip"],
+                            out["clip_low"], out["clip_high"], health[:, 0])
+
+
+def suggest(estimate: HeadroomEstimate, rows: list[int], clipped_allowed: float) -> dict:
+    """The ``max_val`` of the grid that maximises the mean estimated SQNR (dB) over the tensors ``rows`` with at most
+    ``clipped_allowed`` elements clipped for certain-or-possibly (the bound's upper end), and the figures at each
+    ``max_val``: ``{"max_val", "sqnr_db": [...], "clipped_high": [...]}`` (max_val None when none qualifies)."""
+    if not rows:
+        return {"max_val": None, "sqnr_db": [], "clipped_high": []}
+    sqnr = estimate.sqnr_db[rows]
+    finite = torch.where(torch.isfinite(sqnr), sqnr, torch.nan)
+    mean_db = torch.nanmean(finite, dim=0)
+    clipped = estimate.clipped_high[rows].sum(dim=0)
+    allowed = (clipped <= clipped_allowed) & torch.isfinite(mean_db)
+    best = None
+    if bool(allowed.any()):
+        best = estimate.max_vals[int(torch.where(allowed, mean_db, -math.inf).argmax())]
+    return {"max_val": best, "sqnr_db": [float(v) for v in mean_db], "clipped_high": [float(v) for v in clipped]}
+
+
+# the largest |estimated - exact| SQNR (dB) tests/test_headroom.py allows on its tensors (Gaussian, Student-t, sparse
+# outliers, 4096 elements; measured worst 0.52 dB): a gain under it is inside the estimate's own error
+ACCURACY_DB = 0.75
+# a per-operand max_val is suggested beside the global one when it gains at least this much (dB, estimated) on its
+# operand's tensors over the global suggestion
+PAYS_DB = 1.0
+
+
+def operand_of(name: str) -> str:
+    """``layers.7.mlp.up_proj.input`` -> ``input``."""
+    return name.rsplit(".", 1)[-1]
+
+
+def block_of(name: str, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> int | None:
+    """The decoder-block index of a tensor's name by the selection's ``block_pattern`` (None outside any block)."""
+    match = re.search(block_pattern, name + ".")
+    return int(match.group(1)) if match else None
+
+
+def _jsonable(values) -> list:
+    return [float(v) if math.isfinite(float(v)) else None for v in values]
+
+
+def _gain(value: float | None) -> dict:
+    """The estimated SQNR gain of a suggestion over the run's own max_val, and whether it exceeds the estimate's error."""
+    return {"gain_db": value, "significant": value is not None and value >= ACCURACY_DB}
+
+
+def digest(names: list[str], estimate: HeadroomEstimate, run_max_val: dict[str, float],
+           block_pattern: str = DEFAULT_BLOCK_PATTERN) -> dict:
+    """What a run's summary keeps of one estimate of ``names``' tensors: the grid, the suggested ``max_val``
+    (global; per operand where it pays, :data:`PAYS_DB`), the mean estimated SQNR and the possibly-clipped elements
+    per operand and per block at each ``max_val``, and every tensor's own figures. ``run_max_val``: operand -> the
+    run's ``max_val`` (in the grid), whose possibly-clipped count is the most a suggestion may have ("no more
+    clipping than the run had")."""
+    columns = [estimate.max_vals.index(float(run_max_val[operand_of(n)])) for n in names]
+    rows = list(range(len(names)))
+
+    def at_run(subset, table) -> torch.Tensor:
+        return torch.stack([table[i, columns[i]] for i in subset]) if subset else torch.zeros(0, dtype=torch.float64)
+
+    def suggestion(subset):
+        return suggest(estimate, subset, float(at_run(subset, estimate.clipped_high).sum()))
+
+    def gain(own, subset):
+        if own["max_val"] is None:
+            return None
+        sqnr = at_run(subset, estimate.sqnr_db)
+        value = own["sqnr_db"][estimate.max_vals.index(own["max_val"])] - float(
+            torch.nanmean(torch.where(torch.isfinite(sqnr), sqnr, torch.nan)))
+        return value if math.isfinite(value) else None
+
+    overall = suggestion(rows)
+    by_operand, suggested = {}, {"all": overall["max_val"]}
+    for operand in dict.fromkeys(operand_of(n) for n in names):
+        subset = [i for i, n in enumerate(names) if operand_of(n) == operand]
+        own = suggestion(subset)
+        by_operand[operand] = {"run_max_val": float(run_max_val[operand]), "sqnr_db": _jsonable(own["sqnr_db"]),
+                               "clipped_high": own["clipped_high"], "suggested": own["max_val"],
+                               **_gain(gain(own, subset))}
+        if own["max_val"] is not None and overall["max_val"] is not None and own["max_val"] != overall["max_val"]:
+            over_global = (own["sqnr_db"][estimate.max_vals.index(own["max_val"])]
+                           - own["sqnr_db"][estimate.max_vals.index(overall["max_val"])])
+            if over_global >= PAYS_DB:
+                suggested[operand] = own["max_val"]
+    by_block = {}
+    blocks = [block_of(n, block_pattern) for n in names]
+    for block in sorted({b for b in blocks if b is not None}):
+        subset = [i for i, b in enumerate(blocks) if b == block]
+        by_block[str(block)] = {"sqnr_db": _jsonable(suggest(estimate, subset, math.inf)["sqnr_db"])}
+    return {
+        "grid": list(estimate.max_vals), "run_max_val": {k: float(v) for k, v in run_max_val.items()},
+        "suggested": suggested, "sqnr_db": _jsonable(overall["sqnr_db"]), "clipped_high": overall["clipped_high"],
+        **_gain(gain(overall, rows)), "by_operand": by_operand, "by_block": by_block,
+        "tensors": {name: {"sqnr_db": _jsonable(estimate.sqnr_db[i]), "sqnr_db_low": _jsonable(estimate.sqnr_db_low[i]),
+                           "sqnr_db_high": _jsonable(estimate.sqnr_db_high[i]),
+                           "clipped": [float(v) for v in estimate.clipped[i]],
+                           "clipped_low": [float(v) for v in estimate.clipped_low[i]],
+                           "clipped_high": [float(v) for v in estimate.clipped_high[i]]}
+                    for i, name in enumerate(names)},
+    }
+
+
+def summary_lines(entry: dict | None) -> list[str]:
+    """The run summary's lines for a :func:`digest` (none without one): the suggested max_val and its estimated gain,
+    said to be inside the estimate's error where it is."""
+    if not entry or entry.get("suggested", {}).get("all") is None:
+        return []
+    grid, best = entry["grid"], entry["suggested"]["all"]
+    runs = sorted(set(entry["run_max_val"].values()))
+    own = ", ".join(f"{v:g}" for v in runs)
+    gain = entry.get("gain_db")
+    verdict = ("" if gain is None else f"{gain:+.2f} dB estimated over {own}, "
+               + ("beyond" if entry.get("significant") else "inside") + f" the estimate's error ({ACCURACY_DB} dB)")
+    sqnr = entry["sqnr_db"][grid.index(best)]
+    lines = [f"headroom      suggested max_val {best:g} (mean SQNR {sqnr:.1f} dB, no more clipping than the run; "
+             f"{verdict}) at step {entry.get('step')}"]
+    for operand, value in entry["suggested"].items():
+        if operand != "all":
+            lines.append(f"              {operand}: max_val {value:g} (+{entry['by_operand'][operand]['gain_db']:.2f} dB)")
+    return lines
