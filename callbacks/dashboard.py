@@ -47,10 +47,21 @@ LAYOUT = {
         "a_hat, the estimate a tensor was scaled by": _multiline(r"a_hat/.*"),
         "amax, the tensor's true max": _multiline(r"amax/.*"),
     },
+    "saturation forecast": {
+        "tensors at risk, nearest forecast clip (steps)": _multiline(_exact("forecast/at_risk"),
+                                                                      _exact("forecast/min_steps_to_clip")),
+        "steps to the first clip at this rate (per tensor)": _multiline(r"forecast/.*/steps_to_clip"),
+        "headroom trend per window (per tensor)": _multiline(r"forecast/.*/slope_per_window"),
+    },
     "numeric health": {
         "SQNR (dB)": _multiline(r"health/.*sqnr_db"),
         "underflow fraction": _multiline(r"health/.*underflow_frac"),
         "precision tiers": _multiline(r"health/.*tier/.*"),
+    },
+    "what-if headroom (max_val)": {
+        "suggested max_val": _multiline(r"headroom/.*/best_max_val"),
+        "estimated SQNR gain over the run's max_val (dB)": _multiline(r"headroom/.*/gain_db"),
+        "mean estimated SQNR at each max_val (dB)": _multiline(r"headroom/.*/sqnr_db/.*"),
     },
     "what-if estimators": {
         "clipped under each estimator": _multiline(r"whatif/.*/clipped"),

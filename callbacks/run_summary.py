@@ -30,6 +30,7 @@ from qat_app.eval.records import read_records, recorded_steps, records_path
 
 from qat_app import stats
 from qat_app.eval.kl_cache import DRIFT, KL, QUANTIZATION, with_interval
+from qat_app.hif8.forecast import summary_lines as forecast_lines
 from qat_app.hif8.headroom import summary_lines as headroom_lines
 
 from .forgetting import DEFAULT_MEASURES, ForgettingMonitor, initial_records_candidates
@@ -232,7 +233,7 @@ class RunSummaryCallback(L.Callback):
                 first = sat.get("first_clipped_step")
                 lines.append(f"              min headroom (a_hat / amax) {sat['min_headroom']:.3f}; "
                              + (f"first clipped at step {first}" if first is not None else "nothing clipped"))
-            lines += headroom_lines(sat.get("headroom"))
+            lines += headroom_lines(sat.get("headroom")) + forecast_lines(sat.get("forecast"))
             for entry in sat.get("fallback", []):
                 lines.append(f"fallback      {entry['tensor']} -> {entry['target']} at step {entry['step']} "
                              f"({entry['reason']}: {entry['evidence']})")

@@ -44,6 +44,8 @@ from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, valid
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, WHATIF_ALGOS, summarize
 from qat_app.hif8.fallback import fallen_back, quantized_tensors, scaler_pairs
+from qat_app.hif8.forecast import SaturationForecast
+from qat_app.hif8.formats import saturation_threshold
 from qat_app.hif8.quantized import set_health_measurement
 from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 
@@ -75,6 +77,13 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def clip_headrooms(model) -> dict[str, float]:
+    """tensor name -> the headroom a_hat / amax under which a step of it clips: max_val / (threshold 2^margin)."""
+    return {_short(f"{name}.{operand}"): (scaler := layer.scaler_of(operand)).max_val / (
+        saturation_threshold(layer.format.name, scaler.max_val) * 2.0**scaler.margin)
+        for name, layer, operand in quantized_tensors(model)}
+
+
 def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> tuple | None:
     """(the max_val grid with the run's own added, operand -> the run's max_val, format, margin, power_2, the block
     pattern) of
@@ -104,10 +113,14 @@ class AmaxSaturationCallback(L.Callback):
             default): on where health is measured.
         headroom_grid: the ``max_val`` settings evaluated (None: :data:`qat_app.hif8.headroom.DEFAULT_GRID`); the
             run's own ``max_val`` is always added.
+        forecast: the saturation forecast (:mod:`qat_app.hif8.forecast`): every step, each tensor's headroom trend
+            and its steps to the first clip at that rate; a warning when that is within ``forecast_horizon``.
+        forecast_horizon: in optimizer steps (None: one window, the scalers' ``history_len``).
     """
 
     def __init__(self, per_layer: bool = True, summary_file: str | None = "saturation_summary.json",
-                 health: bool = True, headroom: bool | None = None, headroom_grid: list[float] | None = None) -> None:
+                 health: bool = True, headroom: bool | None = None, headroom_grid: list[float] | None = None,
+                 forecast: bool = True, forecast_horizon: int | None = None) -> None:
         self.per_layer = per_layer
         self.summary_file = summary_file
         self.health = health
@@ -118,6 +131,13 @@ class AmaxSaturationCallback(L.Callback):
         self.headroom_grid = headroom_grid
         self._headroom_setup: tuple | None = None  # (grid, operand -> the run's max_val, format, margin, power_2)
         self.headroom_last: dict | None = None  # the last measured step's digest (qat_app.hif8.headroom.digest)
+        if forecast_horizon is not None and not (isinstance(forecast_horizon, int) and forecast_horizon > 0):
+            raise ConfigError(f"saturation.forecast_horizon: must be a positive number of optimizer steps, got "
+                              f"{forecast_horizon!r}")
+        self.forecast_on, self.forecast_horizon = forecast, forecast_horizon
+        self.forecast: SaturationForecast | None = None  # built at setup, when the window is known
+        self._forecast_state: dict | None = None  # a checkpoint's, until then
+        self._clip_headroom: dict[str, float] | None = None  # tensor -> the headroom under which it clips
         self._logged_step = -1
         self._measuring = False  # the quantized matmuls' health switch, as last set
         self.summary_path: str | None = None
@@ -127,17 +147,27 @@ class AmaxSaturationCallback(L.Callback):
 
     def state_dict(self) -> dict:
         return {"first_clipped_step": dict(self.first_clipped_step), "health_last": dict(self.health_last),
-                "health_worst": dict(self.health_worst), "headroom_last": self.headroom_last}
+                "health_worst": dict(self.health_worst), "headroom_last": self.headroom_last,
+                "forecast": self.forecast.state_dict() if self.forecast is not None else self._forecast_state}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.first_clipped_step = dict(state_dict.get("first_clipped_step", {}))
         self.health_last = dict(state_dict.get("health_last", {}))
         self.health_worst = dict(state_dict.get("health_worst", {}))
         self.headroom_last = state_dict.get("headroom_last")
+        self._forecast_state = state_dict.get("forecast")
+        if self.forecast is not None and self._forecast_state is not None:
+            self.forecast.load_state_dict(self._forecast_state)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # before the strategy wraps the module: DDP must not overwrite each rank's counters with rank 0's
         keep_scalers_out_of_ddp_broadcast(pl_module)
+        tensors = quantized_tensors(pl_module.model)
+        if self.forecast_on and tensors and self.forecast is None:
+            window = tensors[0][1].scaler_of(tensors[0][2]).history_len
+            self.forecast = SaturationForecast(window, self.forecast_horizon)
+            if self._forecast_state is not None:
+                self.forecast.load_state_dict(self._forecast_state)
         if self.headroom:
             quant = getattr(pl_module, "quant", None)
             self._headroom_setup = headroom_setup(pl_module.model, self.headroom_grid,
@@ -190,6 +220,8 @@ class AmaxSaturationCallback(L.Callback):
             metrics[f"whatif/{algo}/events"] = float((whatif[:, k] > 0).sum())
         if health_step:
             metrics.update(self._health_metrics(pairs, columns, step - 1))
+        if self.forecast is not None:
+            metrics.update(self._forecast_metrics(pl_module.model, pairs, rows, step - 1, log_layers))
         if self.per_layer and log_layers:
             for (name, _), (amax, a_hat, _headroom, n_clipped, n_seen) in zip(pairs, rows):
                 metrics[f"amax/{name}"] = amax
@@ -230,6 +262,29 @@ class AmaxSaturationCallback(L.Callback):
             metrics["health/underflow_frac"] = float(underflow.sum()) / float(numel.sum())
             if self._headroom_setup is not None:
                 metrics.update(self._headroom_metrics(pairs, columns, measured, step))
+        return metrics
+
+    def _forecast_metrics(self, model, pairs, rows, step: int, log_layers: bool) -> dict[str, float]:
+        """The forecast's step (the one that ended): new warnings logged as warnings; the tensors at risk and the
+        nearest forecast clip every step, each tensor's forecast on the logged steps (with ``per_layer``)."""
+        if self._clip_headroom is None or len(self._clip_headroom) != len(pairs):
+            self._clip_headroom = clip_headrooms(model)  # a fallback to current scaling keeps max_val: stable
+        tensors = [(name, headroom, n_clipped > 0, self._clip_headroom[name])
+                   for (name, _), (_amax, _a_hat, headroom, n_clipped, _n) in zip(pairs, rows)]
+        forecasts, warnings = self.forecast.update(step, tensors)
+        for w in warnings:
+            log.warning("saturation forecast: %s is forecast to clip in ~%.0f steps at this rate (headroom a_hat/amax "
+                        "%.4f, falling %.4f per window of %d steps; horizon %d)", w["tensor"], w["steps_to_clip"],
+                        w["headroom"], -w["slope_per_window"], self.forecast.window, self.forecast.horizon)
+        finite = [f["steps_to_clip"] for f in forecasts.values() if math.isfinite(f["steps_to_clip"])]
+        metrics = {"forecast/at_risk": float(len(self.forecast.open))}
+        if finite:
+            metrics["forecast/min_steps_to_clip"] = min(finite)
+        if self.per_layer and log_layers:
+            for name, f in forecasts.items():
+                metrics[f"forecast/{name}/slope_per_window"] = f["slope_per_window"]
+                if math.isfinite(f["steps_to_clip"]):
+                    metrics[f"forecast/{name}/steps_to_clip"] = f["steps_to_clip"]
         return metrics
 
     def _headroom_metrics(self, pairs, columns: dict[str, torch.Tensor], measured: list[bool],
@@ -302,6 +357,7 @@ class AmaxSaturationCallback(L.Callback):
                               for key in ("clipped", "events")} for algo in WHATIF_ALGOS},
             "fallback": sorted(fallback.values(), key=lambda entry: entry.get("step", 0)),  # in the order decided
             "headroom": self.headroom_last,
+            "forecast": self.forecast.scored() if self.forecast is not None else None,
             "health_worst": [{"tensor": name, "worst_sqnr_db": _finite_or_none(w["sqnr_db"]), "step": w["step"],
                               "last": self.health_last.get(name)} for name, w in worst_first],
             "definition": "clipped: the clamp to +-max_val changed the element's quantized value; seen: elements of "
@@ -317,7 +373,11 @@ class AmaxSaturationCallback(L.Callback):
                           "and clipped elements estimated at every max_val of the grid from its |x| histogram (estimate: "
                           "uniform within a bin; low/high: the bound that holds for any tensor, qat_app.hif8.headroom), "
                           "per operand and block the mean estimated SQNR, and the suggested max_val (the highest mean "
-                          "SQNR with no more possibly-clipped elements than at the run's own max_val)",
+                          "SQNR with no more possibly-clipped elements than at the run's own max_val); forecast: each tensor's "
+                          "headroom (a_hat / amax) trend over its last quantized steps (Theil-Sen), warned when it is "
+                          "forecast to clip within the horizon; hits: it clipped while warned (lead_steps), false "
+                          "alarms: the warning cleared or the run ended without a clip, misses: a first clip unwarned "
+                          "(qat_app.hif8.forecast)",
             "tensors": tensors,
         }
 

@@ -65,7 +65,8 @@ def test_the_layout_is_in_the_event_file_and_matches_the_runs_tags(tensorboard_f
     dashboard = next(c for c in run.trainer.callbacks if isinstance(c, TensorBoardDashboard))
     assert dashboard.written_to == [run.trainer.log_dir]
     layout = _layout(events)
-    assert list(layout) == ["saturation", "numeric health", "what-if estimators", "training", "forgetting", "memory"]
+    assert list(layout) == ["saturation", "saturation forecast", "numeric health", "what-if headroom (max_val)",
+                            "what-if estimators", "training", "forgetting", "memory"]
     assert layout == {category: {title: chart[1] for title, chart in charts.items()} for category, charts in LAYOUT.items()}
     scalars = events.Tags()["scalars"]
     for category in WRITTEN_HERE:

@@ -282,3 +282,10 @@ def test_fit_logs_health_and_whatif_and_summarizes_them(tmp_path, tiny_model_dir
         assert low - 1e-9 <= last["sqnr_db"] <= (math.inf if high is None else high) + 1e-9, name
         assert abs(estimate["sqnr_db"][run] - last["sqnr_db"]) < ACCURACY_DB, name
     assert {"headroom/all/best_max_val", "headroom/input/best_max_val", "headroom/weight/gain_db"} <= set(logged)
+
+    # the saturation forecast: scored at the end, its per-step risk count logged on every quantized step
+    forecast = summary["forecast"]
+    assert forecast["horizon"] == forecast["window"] and forecast["window"] > 0
+    assert forecast["hits"] + forecast["false_alarms"] == forecast["warnings"]
+    assert forecast["misses"] <= forecast["tensors_clipped"] <= summary["quantized_tensors"]
+    assert all("forecast/at_risk" in by_step[s] for s in range(WARMUP, STEPS))

@@ -341,6 +341,25 @@ def render_headroom(results: list[dict]) -> list[str]:
     return lines
 
 
+def render_forecast(results: list[dict]) -> list[str]:
+    """Markdown lines: per QAT run, the saturation forecast scored against what happened (:mod:`qat_app.hif8.forecast`),
+    and its warnings (or one line: no run recorded it)."""
+    runs = [(r["label"], f) for r in results if isinstance(f := (r.get("saturation") or {}).get("forecast"), dict)]
+    lines = ["", "## Saturation forecast", ""]
+    if not runs:
+        return lines + [f"{NOT_RECORDED} (saturation.forecast: by runs made since it existed)."]
+    lines += ["Each tensor's headroom a_hat / amax, fitted over its recent steps (Theil-Sen) and extrapolated to the clip "
+              "line: a warning when that is within the horizon. Hit: it clipped while warned (lead: steps ahead); false "
+              "alarm: it did not; miss: a first clip nobody forecast (a spike with no trend is one by construction).", "",
+              "| run | horizon (steps) | warnings | hits | false alarms | clipped tensors | misses | lead steps |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for label, f in runs:
+        leads = ", ".join(str(v) for v in f.get("lead_steps", [])) or "–"
+        lines.append(f"| `{label}` | {f['horizon']} | {f['warnings']} | {f['hits']} | {f['false_alarms']} | "
+                     f"{f['tensors_clipped']} | {f['misses']} | {leads} |")
+    return lines
+
+
 def render_fallback(results: list[dict]) -> list[str]:
     """Markdown lines: every tensor the fallback policy switched, per QAT run (or one line: none did)."""
     lines = ["", "## Automatic fallback", ""]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .compare import COMPARISONS, Evaluation
 from .distortion import render_distortion, render_floor
-from .health import health_scalars, render_fallback, render_headroom, render_health, render_whatif
+from .health import health_scalars, render_fallback, render_forecast, render_headroom, render_health, render_whatif
 from .measures_table import MEASURE_CSV_COLUMNS, csv_rows, has_measures, render_measures
 from ..hif8.inventory import INVENTORY_FILE, block_ranges
 from .runs import CONFIG_FILE, SUMMARY_FILE, Run, inventory_stats, last_value, precision_name, quantized
@@ -138,7 +138,8 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
                          + ", ".join(f"`{t}`" for t in s["tensors_clipped"]))
         if s and s["seen"] is None:
             lines.append(f"\n`{r['label']}`: no {SUMMARY_FILE}; saturation from the per-step CSV columns.")
-    lines += render_whatif(results) + render_health(results) + render_headroom(results) + render_fallback(results)
+    lines += (render_whatif(results) + render_health(results) + render_headroom(results) + render_forecast(results)
+              + render_fallback(results))
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,151 @@
+"""Saturation forecast: see a tensor heading for its first clip before it happens.
+
+The paper's failure, a delayed scale too small, shows in one number per tensor and step: the *headroom*
+``h = a_hat / amax`` (the estimate the step was scaled by over the amax it met), which the scalers already compute on
+the device at every step boundary (:mod:`.scaler_bank`). A step clips when ``amax * s >= threshold`` with
+``s = max_val / a_hat / 2^margin``, i.e. when ``h < h_clip = max_val / (threshold * 2^margin)`` (HiF8 at 15: 15 /
+15.5 = 0.968). A tensor whose amax grows faster than its window forgets has a headroom that falls step after step.
+
+Per tensor, over its last ``points`` quantized steps (default: the horizon, at least 16; forecasting needs at least
+``min_points``), the forecast fits a robust line to
+the headroom (Theil-Sen: the median of the pairwise slopes, then the median intercept; one outlying step moves
+neither), and, where it falls, extrapolates it to ``h_clip`` raised by two robust spreads of the steps about the
+line (a step scattered that far below the trend clips): **steps to clip at this rate**. The slope is reported
+per window (``history_len`` steps: the headroom lost in the time the window takes to forget). A tensor is *at risk*
+when it is forecast to clip within ``horizon`` steps (default: one window); it is warned about once, and again only
+after a step that cleared it.
+
+Scored against what happened, at the end of a run: a warning is a *hit* if the tensor clipped while it was open
+(lead time: the steps between them), a *false alarm* if it cleared (its forecast back beyond the horizon, more than
+``horizon`` steps after it) or the run ended first; a tensor's first clip with no warning open is a *miss*. A tensor that clips on one step out of the blue (a spike with no
+trend) is a miss by construction: the forecast is for drifts, not for spikes.
+
+Host-side, on the headroom values the saturation callback reads once per optimizer step anyway (one device->host copy
+for all tensors): no per-forward work, no extra sync. Its state (the recent headrooms, the open warnings, the scored
+events) is a plain ``state_dict``: a resumed run forecasts exactly what the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from .errors import FieldError
+
+DEFAULT_POINTS = 16  # quantized steps the trend is fitted on, at least (and at least the horizon)
+MIN_POINTS = 6
+# a step clips when its headroom is under h_clip, and steps scatter about the trend: the forecast is for the trend
+# coming within this many robust spreads of h_clip (about 2.3 % of steps fall further below a line)
+NOISE_SIGMAS = 2.0
+
+
+def theil_sen(values: list[float]) -> tuple[float, float]:
+    """(slope per step, intercept at index 0) of ``values`` against 0, 1, ..., robust to outlying points."""
+    n = len(values)
+    slopes = [(values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
+    slope = statistics.median(slopes)
+    intercept = statistics.median(v - slope * k for k, v in enumerate(values))
+    return slope, intercept
+
+
+def steps_to_clip(values: list[float], h_clip: float, sigmas: float = 0.0) -> tuple[float, float]:
+    """(steps until the fitted headroom line comes within ``sigmas`` residual spreads (1.4826 MAD, robust) of
+    ``h_clip``, counted from the last value: inf where the line does not fall; 0 where it is there already), the slope
+    per step."""
+    slope, intercept = theil_sen(values)
+    residuals = [v - (intercept + slope * k) for k, v in enumerate(values)]
+    spread = 1.4826 * statistics.median(abs(r) for r in residuals)
+    line = h_clip + sigmas * spread  # one noisy step below the line clips
+    now = intercept + slope * (len(values) - 1)
+    if slope >= 0:
+        return math.inf, slope
+    if now < line:
+        return 0.0, slope
+    return (now - line) / -slope, slope
+
+
+class SaturationForecast:
+    """The forecast of a run's tensors (the module docstring). ``window``: the scalers' history length (the unit of
+    the reported slope and the default ``horizon``)."""
+
+    def __init__(self, window: int, horizon: int | None = None, points: int | None = None,
+                 min_points: int = MIN_POINTS, sigmas: float = NOISE_SIGMAS) -> None:
+        horizon = window if horizon is None else horizon
+        # extrapolating h steps ahead needs a fit over as many: the slope's noise falls as points^-1.5
+        points = max(DEFAULT_POINTS, horizon) if points is None else points
+        if not (isinstance(horizon, int) and horizon > 0):
+            raise FieldError("forecast_horizon", f"must be a positive number of steps, got {horizon!r}")
+        if not (isinstance(points, int) and points >= min_points >= 3):
+            raise FieldError("forecast_points", f"must be an integer >= {max(3, min_points)}, got {points!r}")
+        self.window, self.horizon, self.points, self.min_points = int(window), horizon, points, min_points
+        self.sigmas = sigmas
+        self.trails: dict[str, deque] = {}
+        self.open: dict[str, dict] = {}  # tensor -> its warning not yet cleared
+        self.warnings: list[dict] = []  # every warning, in order, with what became of it
+        self.clips: list[dict] = []  # every tensor-step that clipped: {"tensor", "step", "warned_at"}
+
+    def state_dict(self) -> dict:
+        return {"trails": {name: list(trail) for name, trail in self.trails.items()}, "open": dict(self.open),
+                "warnings": [dict(w) for w in self.warnings], "clips": [dict(c) for c in self.clips]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trails = {name: deque(values, maxlen=self.points) for name, values in state.get("trails", {}).items()}
+        self.open = dict(state.get("open", {}))
+        self.warnings = [dict(w) for w in state.get("warnings", [])]
+        self.clips = [dict(c) for c in state.get("clips", [])]
+
+    def update(self, step: int, tensors: list[tuple[str, float, bool, float]]) -> tuple[dict[str, dict], list[dict]]:
+        """One optimizer step: ``tensors`` = (name, its headroom this step (inf: not quantized), whether it clipped,
+        its h_clip). -> (tensor -> its forecast {"steps_to_clip", "slope_per_window", "headroom"}, the new warnings)."""
+        forecasts, new = {}, []
+        for name, headroom, clipped, h_clip in tensors:
+            if clipped:
+                warned = self.open.get(name)
+                self.clips.append({"tensor": name, "step": step, "warned_at": warned["step"] if warned else None})
+                if warned is not None and warned.get("clipped_at") is None:
+                    warned["clipped_at"] = step
+            if not math.isfinite(headroom):
+                continue
+            trail = self.trails.setdefault(name, deque(maxlen=self.points))
+            trail.append(float(headroom))
+            if len(trail) < self.min_points:
+                continue
+            steps, slope = steps_to_clip(list(trail), h_clip, self.sigmas)
+            forecasts[name] = {"steps_to_clip": steps, "slope_per_window": slope * self.window, "headroom": headroom}
+            if steps <= self.horizon and not clipped and name not in self.open:
+                warning = {"tensor": name, "step": step, "steps_to_clip": steps, "headroom": headroom,
+                           "slope_per_window": slope * self.window, "clipped_at": None}
+                self.open[name] = warning
+                self.warnings.append(warning)
+                new.append(warning)
+            elif steps > self.horizon and name in self.open and self.open[name].get("clipped_at") is None \
+                    and step - self.open[name]["step"] > self.horizon:
+                del self.open[name]  # cleared: a later drift warns again
+        return forecasts, new
+
+    def scored(self) -> dict:
+        """Hits (the tensor clipped while its warning was open; lead time: the steps between them), false alarms (the
+        warning cleared, or the run ended, without a clip), misses (a tensor's first clip with no warning open),
+        with the warnings themselves."""
+        hits = [{**w, "lead_steps": w["clipped_at"] - w["step"]} for w in self.warnings if w.get("clipped_at") is not None]
+        false_alarms = [dict(w) for w in self.warnings if w.get("clipped_at") is None]
+        first_clips: dict[str, dict] = {}
+        for clip in self.clips:
+            first_clips.setdefault(clip["tensor"], clip)
+        misses = [{"tensor": c["tensor"], "step": c["step"]} for c in first_clips.values() if c["warned_at"] is None]
+        return {"horizon": self.horizon, "window": self.window, "warnings": len(self.warnings), "hits": len(hits),
+                "false_alarms": len(false_alarms), "misses": len(misses), "tensors_clipped": len(first_clips),
+                "lead_steps": [h["lead_steps"] for h in hits], "hit_list": hits, "false_alarm_list": false_alarms,
+                "miss_list": misses}
+
+
+def summary_lines(scored: dict | None) -> list[str]:
+    """The run summary's line for :meth:`SaturationForecast.scored` (none without one)."""
+    if not scored:
+        return []
+    leads = sorted(scored["lead_steps"])
+    lead = f", lead {leads[len(leads) // 2]} steps (median)" if leads else ""
+    return [f"forecast      {scored['warnings']} warning(s) within {scored['horizon']} steps: {scored['hits']} hit(s)"
+            f"{lead}, {scored['false_alarms']} false alarm(s); {scored['misses']} of {scored['tensors_clipped']} "
+            "clipped tensors not forecast"]

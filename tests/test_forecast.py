@@ -1,0 +1,118 @@
+"""Saturation forecast (qat_app.hif8.forecast): a planted drift forecast a window ahead, silence on a stationary
+tensor, robustness, exact resume, bad input; through the scalers the training uses (real fake quantization)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from qat_app.hif8.errors import FieldError
+from qat_app.hif8.forecast import SaturationForecast, steps_to_clip, theil_sen
+from qat_app.hif8.formats import saturation_threshold
+from qat_app.hif8.scaling import AmaxScaler
+
+H_CLIP = 15.0 / saturation_threshold("hif8", 15.0)  # 15 / 15.5
+
+
+def run_scaler(outlier, steps: int, window: int, seed: int = 0, forecast: SaturationForecast | None = None,
+               start: int = 0):
+    """A max-window scaler through a BF16 warmup of one window (observed only) then QAT, on randn(4096) with an
+    optional planted outlier ``outlier(step)``; each step's headroom and clip fed to ``forecast``."""
+    gen = torch.Generator().manual_seed(seed)
+    scaler = AmaxScaler("max", window, max_val=15.0)
+    forecast = forecast or SaturationForecast(window)
+    first_clip = None
+    for t in range(steps):
+        x = torch.randn(4096, generator=gen)
+        if outlier is not None:
+            x[0] = outlier(t) * (1 + 0.002 * float(torch.randn(1, generator=gen)))
+        if t < window:
+            scaler.observe(x.abs().amax(), None, x.numel())
+        else:
+            result, _ = scaler.quantize(x, "hif8")
+            scaler.observe(result.amax, result.clipped, x.numel())
+        scaler.advance()
+        clipped = int(scaler.last_clipped) > 0
+        if clipped and first_clip is None:
+            first_clip = t
+        if t >= start:
+            forecast.update(t, [("x", float(scaler.last_headroom), clipped, H_CLIP)])
+    return forecast, first_clip
+
+
+@pytest.mark.parametrize("window, growth", [(8, 2e-4), (64, 4e-5)])
+def test_a_slowly_growing_outlier_is_forecast_at_least_a_window_before_its_first_clip(window, growth):
+    # amax = 20 exp(c t^2): each step's amax is the window's new max, so the headroom a_hat / amax = exp(-c (2t - 1))
+    # falls a little every step until it crosses 15 / 15.5
+    forecast, first_clip = run_scaler(lambda t: 20 * math.exp(growth * t * t), 12 * window, window)
+    assert first_clip is not None
+    scored = forecast.scored()
+    assert scored["hits"] == 1 and scored["misses"] == 0 and scored["false_alarms"] == 0
+    warning = scored["hit_list"][0]
+    assert warning["clipped_at"] == first_clip and warning["lead_steps"] >= window
+    assert warning["slope_per_window"] < 0 and warning["headroom"] > H_CLIP
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_stationary_tensor_that_never_clips_is_never_warned_about(seed):
+    """The paper's window (64) on a stationary tensor: where nothing clips, no forecast."""
+    forecast, first_clip = run_scaler(lambda t: 6.0, 400, 64, seed=seed)  # a steady outlier: amax stationary
+    scored = forecast.scored()
+    assert first_clip is None and scored["tensors_clipped"] == 0
+    assert scored["warnings"] == 0 and scored["false_alarms"] == 0
+
+
+def test_the_trend_is_robust_to_one_outlying_step_and_the_extrapolation_is_linear():
+    values = [1.10 - 0.01 * k for k in range(10)]
+    values[4] = 0.2  # one step wildly off
+    slope, intercept = theil_sen(values)
+    assert slope == pytest.approx(-0.01) and intercept == pytest.approx(1.10)
+    steps, _ = steps_to_clip([1.10 - 0.01 * k for k in range(10)], 0.96)
+    assert steps == pytest.approx((1.01 - 0.96) / 0.01)
+    assert steps_to_clip([1.0 + 0.01 * k for k in range(10)], 0.96)[0] == math.inf  # rising: never
+    assert steps_to_clip([0.95 - 0.001 * k for k in range(8)], 0.96)[0] == 0.0  # falling, already under it
+    # with the steps' scatter: the trend is forecast to come within two robust spreads of the clip line
+    noisy = [1.10 - 0.01 * k + (0.004 if k % 2 else -0.004) for k in range(10)]
+    assert steps_to_clip(noisy, 0.96, sigmas=2.0)[0] == pytest.approx((1.01 - 0.96 - 2 * 1.4826 * 0.004) / 0.01,
+                                                                       rel=0.05)
+
+
+def test_a_resumed_forecast_is_the_uninterrupted_one():
+    def outlier(t):
+        return 20 * math.exp(2e-4 * t * t)
+
+    straight, _ = run_scaler(outlier, 96, 8)
+    first, _ = run_scaler(outlier, 50, 8)
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint carries, through a serialisation
+    resumed = SaturationForecast(8)
+    resumed.load_state_dict(state)
+    run_scaler(outlier, 96, 8, forecast=resumed, start=50)  # the same scaler trajectory, fed from step 50 on
+    assert resumed.scored() == straight.scored() and resumed.state_dict() == straight.state_dict()
+
+
+@pytest.mark.parametrize("horizon", [0, -3, 2.5])
+def test_a_horizon_of_no_steps_names_the_setting(horizon):
+    from callbacks.saturation import AmaxSaturationCallback
+    from qat_app.errors import ConfigError
+
+    with pytest.raises(FieldError, match="^forecast_horizon: must be a positive number of steps"):
+        SaturationForecast(8, horizon)
+    with pytest.raises(ConfigError, match=r"^saturation\.forecast_horizon: must be a positive number"):
+        AmaxSaturationCallback(forecast_horizon=horizon)
+
+
+def test_the_report_and_the_run_summary_say_how_the_forecast_did():
+    from qat_app.hif8.forecast import summary_lines
+    from qat_app.report.health import NOT_RECORDED, render_forecast
+
+    forecast, _ = run_scaler(lambda t: 20 * math.exp(2e-4 * t * t), 96, 8)
+    scored = json.loads(json.dumps(forecast.scored()))
+    lines = render_forecast([{"label": "qat", "saturation": {"forecast": scored}}])
+    lead = scored["lead_steps"][0]
+    assert f"| `qat` | 8 | 1 | 1 | 0 | 1 | 0 | {lead} |" in lines
+    assert summary_lines(scored) == [f"forecast      1 warning(s) within 8 steps: 1 hit(s), lead {lead} steps (median), "
+                                     "0 false alarm(s); 0 of 1 clipped tensors not forecast"]
+    assert NOT_RECORDED in render_forecast([{"label": "old", "saturation": {}}])[-1] and summary_lines(None) == []
