@@ -261,7 +261,7 @@ class AmaxSaturationCallback(L.Callback):
         if any(measured):
             metrics["health/underflow_frac"] = float(underflow.sum()) / float(numel.sum())
             if self._headroom_setup is not None:
-                metrics.update(self._headroom_metrics(pairs, columns, measured, step))
+                metrics.update(self._headroom_metrics(pairs, columns, measured, step, figures["sqnr_db"]))
         return metrics
 
     def _forecast_metrics(self, model, pairs, rows, step: int, log_layers: bool) -> dict[str, float]:
@@ -287,8 +287,8 @@ class AmaxSaturationCallback(L.Callback):
                     metrics[f"forecast/{name}/steps_to_clip"] = f["steps_to_clip"]
         return metrics
 
-    def _headroom_metrics(self, pairs, columns: dict[str, torch.Tensor], measured: list[bool],
-                          step: int) -> dict[str, float]:
+    def _headroom_metrics(self, pairs, columns: dict[str, torch.Tensor], measured: list[bool], step: int,
+                          sqnr_db: torch.Tensor) -> dict[str, float]:
         """The what-if headroom of the measured tensors of ``step``: kept as ``headroom_last`` (the summary's), logged
         per operand (the mean estimated SQNR at each max_val, the suggested max_val and its estimated gain)."""
         grid, run_max_val, fmt_name, margin, power_2, block_pattern = self._headroom_setup
@@ -298,6 +298,12 @@ class AmaxSaturationCallback(L.Callback):
         estimate = estimate_headroom(columns[HEALTH][rows], torch.where(a_hat > 0, a_hat, amax), amax, grid, fmt_name,
                                      margin, power_2)
         self.headroom_last = {"step": step, **digest(names, estimate, run_max_val, block_pattern)}
+        # what the step really had at the run's own max_val (the health's exact SQNR, the real counter): what another
+        # run's estimate at this max_val is checked against (the report's cross-check)
+        measured_db = sqnr_db[rows]
+        finite = measured_db[torch.isfinite(measured_db)]
+        self.headroom_last["measured"] = {"sqnr_db": float(finite.mean()) if finite.numel() else None,
+                                          "clipped": int(columns["last_clipped"][rows].sum())}
         metrics = {}
         for operand, entry in (("all", self.headroom_last), *self.headroom_last["by_operand"].items()):
             best = entry["suggested"]["all"] if operand == "all" else entry["suggested"]

@@ -154,3 +154,29 @@ def test_the_report_renders_each_runs_headroom_or_says_it_was_not_recorded():
     assert f"{entry['by_operand']['input']['sqnr_db'][grid.index(15.0)]:.2f}" in row
     assert not any("`old`" in line for line in lines)
     assert NOT_RECORDED in render_headroom([{"label": "old", "saturation": None}])[-1]
+
+
+def test_the_report_sets_each_runs_estimate_against_the_runs_made_at_other_max_val_settings():
+    """Two 'runs' of the same tensor at max_val 15 and 4: each one's estimate at the other's max_val holds what the
+    other measured (here the tensors are the same, so the bound is exact) and the table says so."""
+    from qat_app.report.health import headroom_crosscheck, render_headroom
+
+    x = tensors()["student_t3"]
+    amax = x.abs().max().reshape(1)
+    grid = validate_grid(DEFAULT_GRID)
+    runs = []
+    for label, max_val in (("mv15", 15.0), ("mv4", 4.0)):
+        health = measure_health(x, max_val / amax[0], max_val, HIF8)
+        entry = {"step": 5, **digest(["layers.1.mlp.up_proj.input"], estimate_headroom(health[None], amax, amax, grid),
+                                     {"input": max_val})}
+        sqnr, clipped = exact(x, amax[0], max_val)
+        entry["measured"] = {"sqnr_db": sqnr, "clipped": clipped}
+        runs.append((label, entry))
+    rows = headroom_crosscheck(runs)
+    assert [(r["predictor"], r["run"], r["max_val"]) for r in rows] == [("mv15", "mv4", 4.0), ("mv4", "mv15", 15.0)]
+    for r in rows:
+        assert r["sqnr_db_low"] <= r["measured_sqnr_db"] <= r["sqnr_db_high"]
+        assert abs(r["sqnr_db"] - r["measured_sqnr_db"]) < ACCURACY_DB
+        assert r["clipped_low"] <= r["measured_clipped"] <= r["clipped_high"]
+    lines = render_headroom([{"label": label, "saturation": {"headroom": entry}} for label, entry in runs])
+    assert any(line.startswith("| `mv15` | `mv4` | 4 | ") for line in lines)

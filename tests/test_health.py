@@ -282,6 +282,9 @@ def test_fit_logs_health_and_whatif_and_summarizes_them(tmp_path, tiny_model_dir
         assert low - 1e-9 <= last["sqnr_db"] <= (math.inf if high is None else high) + 1e-9, name
         assert abs(estimate["sqnr_db"][run] - last["sqnr_db"]) < ACCURACY_DB, name
     assert {"headroom/all/best_max_val", "headroom/input/best_max_val", "headroom/weight/gain_db"} <= set(logged)
+    lasts = [summary["tensors"][name]["health"]["last"]["sqnr_db"] for name in headroom["tensors"]]
+    assert headroom["measured"]["sqnr_db"] == pytest.approx(sum(lasts) / len(lasts))
+    assert headroom["measured"]["clipped"] >= 0
 
     # the saturation forecast: scored at the end, its per-step risk count logged on every quantized step
     forecast = summary["forecast"]

@@ -338,6 +338,54 @@ def render_headroom(results: list[dict]) -> list[str]:
             cells = [_fmt(v, ".2f") for v in entry["sqnr_db"]]
             lines.append(f"| {operand} (run: {entry['run_max_val']:g}) | " + " | ".join(cells)
                          + f" | {_fmt(entry.get('suggested'), 'g')} | {_fmt(entry.get('gain_db'), '+.2f')} |")
+    return lines + headroom_crosscheck_lines(runs)
+
+
+def headroom_crosscheck(runs: list[tuple[str, dict]]) -> list[dict]:
+    """Each run's estimate at each *other* run's max_val (one for all its operands, in its grid) against what that run
+    measured at the same step: mean SQNR over the tensors (estimate, bound: the mean of the per-tensor bounds) and
+    clipped elements (estimate and bound, summed)."""
+    rows = []
+    for label, predictor in runs:
+        grid, tensors = predictor["grid"], predictor.get("tensors") or {}
+        for other, measured in runs:
+            values = set((measured.get("run_max_val") or {}).values())
+            if other == label or len(values) != 1 or not measured.get("measured") or next(iter(values)) not in grid:
+                continue
+            m = next(iter(values))
+            j = grid.index(m)
+
+            def mean(key):  # None (not finite) anywhere: an upper bound is then infinite, an estimate undefined
+                values = [t[key][j] for t in tensors.values()]
+                return None if not values or None in values else sum(values) / len(values)
+
+            def total(key):
+                return sum(t[key][j] for t in tensors.values())
+
+            rows.append({"predictor": label, "run": other, "max_val": m, "step": predictor.get("step"),
+                         "measured_step": measured.get("step"), "sqnr_db": mean("sqnr_db"),
+                         "sqnr_db_low": mean("sqnr_db_low"), "sqnr_db_high": mean("sqnr_db_high"),
+                         "measured_sqnr_db": measured["measured"]["sqnr_db"], "clipped": total("clipped"),
+                         "clipped_low": total("clipped_low"), "clipped_high": total("clipped_high"),
+                         "measured_clipped": measured["measured"]["clipped"]})
+    return rows
+
+
+def headroom_crosscheck_lines(runs: list[tuple[str, dict]]) -> list[str]:
+    rows = headroom_crosscheck(runs)
+    if not rows:
+        return []
+    lines = ["", "### One run's estimate against the runs made at other max_val settings", "",
+             "The predicting run's tensors at its last measured step, the other run's at its own (the same step of the "
+             "same schedule, another trajectory: the estimate is to first order); the bound is exact only for the "
+             "predicting run's own tensors.", "",
+             "| predicted by | run | max_val | est. mean SQNR (dB) [bound] | measured | est. clipped [bound] | measured |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| `{r['predictor']}` | `{r['run']}` | {r['max_val']:g} | {_fmt(r['sqnr_db'], '.2f')} "
+                     f"[{_fmt(r['sqnr_db_low'], '.2f')}, {_fmt(r['sqnr_db_high'], '.2f')}] | "
+                     f"{_fmt(r['measured_sqnr_db'], '.2f')} | {r['clipped']:.1f} [{r['clipped_low']:.0f}, "
+                     f"{r['clipped_high']:.0f}] | {r['measured_clipped']} |")
     return lines
 
 
