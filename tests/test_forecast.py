@@ -116,3 +116,45 @@ def test_the_report_and_the_run_summary_say_how_the_forecast_did():
     assert summary_lines(scored) == [f"forecast      1 warning(s) within 8 steps: 1 hit(s), lead {lead} steps (median), "
                                      "0 false alarm(s); 0 of 1 clipped tensors not forecast"]
     assert NOT_RECORDED in render_forecast([{"label": "old", "saturation": {}}])[-1] and summary_lines(None) == []
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_fit_forecasts_what_the_uninterrupted_one_does(tmp_path, tiny_model_dir, tiny_corpus):
+    """Through Lightning: the forecast's state travels in the checkpoint (the saturation callback's state), so the
+    resumed run's forecast state, scores and logged forecast/* values equal the straight run's."""
+    import csv
+    import os
+
+    import main as cli
+    from callbacks.saturation import AmaxSaturationCallback
+    from tests._cli_runs import SimulatedCrash, write_config
+
+    def fit(directory, *extra, crash_at=None):
+        directory.mkdir(parents=True, exist_ok=True)
+        callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                      "init_args": {"dirpath": str(directory / "ckpt"), "save_last": True, "every_n_train_steps": 2,
+                                    "save_top_k": -1}}]
+        if crash_at is not None:
+            callbacks.append({"class_path": "tests._cli_runs.CrashAt", "init_args": {"step": crash_at}})
+        # 12 steps, 3 of warmup: 9 quantized steps, enough for the trend (6)
+        config = write_config(directory, tiny_model_dir, tiny_corpus, **{"trainer.max_steps": 12,
+                                                                          "trainer.callbacks": callbacks})
+        return cli.cli_main(["fit", "--config", config, *extra]).trainer
+
+    def forecast_of(trainer):
+        return next(c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)).forecast
+
+    def logged(trainer):
+        rows = csv.DictReader(open(os.path.join(trainer.log_dir, "metrics.csv")))
+        return {(int(r["step"]), k): float(v) for r in rows for k, v in r.items() if k.startswith("forecast/") and v}
+
+    straight = fit(tmp_path / "straight")
+    with pytest.raises(SimulatedCrash):
+        fit(tmp_path / "run", crash_at=7)
+    resumed = fit(tmp_path / "run", "--ckpt_path", "last")
+    a, b = forecast_of(straight), forecast_of(resumed)
+    assert a.state_dict() == b.state_dict() and a.scored() == b.scored()
+    assert any(len(trail) >= 6 for trail in a.trails.values())  # it did forecast
+    after = {key: v for key, v in logged(straight).items() if key[0] >= 6}
+    assert after and logged(resumed) == {key: v for key, v in after.items() if key in logged(resumed)}
+    assert {key for key in after if key[1] == "forecast/at_risk"} <= set(logged(resumed))
