@@ -152,6 +152,8 @@ def test_the_report_renders_each_runs_headroom_or_says_it_was_not_recorded():
     row = lines[header + 4]
     assert row.startswith("| input (run: 15) | ") and row.count("|") == len(grid) + 4
     assert f"{entry['by_operand']['input']['sqnr_db'][grid.index(15.0)]:.2f}" in row
+    block_row = next(line for line in lines if line.startswith("| 2 | "))  # the per-block table
+    assert f"{entry['by_block']['2']['sqnr_db'][grid.index(15.0)]:.2f}" in block_row
     assert not any("`old`" in line for line in lines)
     assert NOT_RECORDED in render_headroom([{"label": "old", "saturation": None}])[-1]
 

@@ -338,6 +338,11 @@ def render_headroom(results: list[dict]) -> list[str]:
             cells = [_fmt(v, ".2f") for v in entry["sqnr_db"]]
             lines.append(f"| {operand} (run: {entry['run_max_val']:g}) | " + " | ".join(cells)
                          + f" | {_fmt(entry.get('suggested'), 'g')} | {_fmt(entry.get('gain_db'), '+.2f')} |")
+        if h.get("by_block"):
+            lines += ["", "Per block (mean estimated SQNR in dB over its quantized tensors):", "",
+                      "| block | " + " | ".join(f"{m:g}" for m in grid) + " |", "|---:|" + "---:|" * len(grid)]
+            lines += [f"| {block} | " + " | ".join(_fmt(v, ".2f") for v in entry["sqnr_db"]) + " |"
+                      for block, entry in h["by_block"].items()]
     return lines + headroom_crosscheck_lines(runs)
 
 
