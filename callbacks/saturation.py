@@ -95,8 +95,11 @@ def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> t
     _, layer, _ = tensors[0]
     run_max_val = {operand: float(layer.scaler_of(operand).max_val) for _, layer, operand in tensors}
     scaler = layer.scaler_of(tensors[0][2])
+    if grid is None:  # the default grid, up to the format's largest finite value (E4M3: 448)
+        top = layer.format.max_finite
+        grid = [v for v in DEFAULT_GRID if v < top] + [top]
     try:
-        values = validate_grid(DEFAULT_GRID if grid is None else grid, layer.format.name, "headroom_grid")
+        values = validate_grid(grid, layer.format.name, "headroom_grid")
     except FieldError as err:
         raise ConfigError(f"saturation.{err.field}{err.sep}{err.message}") from None
     values = tuple(sorted(set(values) | set(run_max_val.values())))

@@ -136,6 +136,12 @@ def test_the_callback_names_its_bad_settings():
     assert grid == (4.0, 15.0, 64.0) and run_max_val == {"input": 15.0, "weight": 15.0} and fmt_name == "hif8"
     with pytest.raises(ConfigError, match=r"^saturation\.headroom_grid: 40960 is outside what hif8 can hold"):
         headroom_setup(model, [15, 40960])
+    assert headroom_setup(model, None)[0][-1] == 32768.0
+    e4m3 = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, vocab_size=64))
+    quantize_model(e4m3, QuantConfig(high_precision_layers=0, format="e4m3"))
+    grid, run_max_val, fmt_name, *_ = headroom_setup(e4m3, None)  # the default grid, cut at E4M3's 448
+    assert fmt_name == "e4m3" and grid[-1] == 448.0 and 256.0 in grid and run_max_val["input"] == 448.0
 
 
 def test_the_report_renders_each_runs_headroom_or_says_it_was_not_recorded():

@@ -23,6 +23,9 @@ edges are exact float32 numbers; ``y`` is ``fl(|x| s)``, which moves ``y`` by at
 are widened by that much. For a smooth distribution the estimate is much closer than the bound (within a few tenths
 of a dB on Gaussian and Student-t tensors, tests/test_headroom.py); the bound is what holds for any tensor.
 
+Rounding is to nearest, as activations and weights are quantized; a gradient under stochastic rounding
+(``grad_stochastic_rounding``) has about twice the squared error, and its estimate is that much optimistic.
+
 **What it is not**: the SQNR of one tensor at one step, to first order (the trajectory is the one trained with the
 run's own ``max_val``), and not a benchmark: an SQNR gain is a smaller quantization error, which may or may not show
 in the loss or a benchmark.
