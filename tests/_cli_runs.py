@@ -81,3 +81,18 @@ def write_config(tmp_path, model_dir, corpus, **overrides) -> str:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+def checkpointed_fit(directory, model_dir, corpus, *extra, crash_at: int | None = None, **overrides):
+    """``main.py fit`` in ``directory`` with a checkpoint every 2 steps (``last`` kept), killed at the start of step
+    ``crash_at`` when given (:class:`CrashAt`); ``extra``: command-line flags (``--ckpt_path last`` resumes)."""
+    import main as cli
+
+    directory.mkdir(parents=True, exist_ok=True)
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(directory / "ckpt"), "save_last": True, "every_n_train_steps": 2,
+                                "save_top_k": -1}}]
+    if crash_at is not None:
+        callbacks.append({"class_path": "tests._cli_runs.CrashAt", "init_args": {"step": crash_at}})
+    config = write_config(directory, model_dir, corpus, **overrides, **{"trainer.callbacks": callbacks})
+    return cli.cli_main(["fit", "--config", config, *extra]).trainer

@@ -125,21 +125,12 @@ def test_a_killed_and_resumed_fit_forecasts_what_the_uninterrupted_one_does(tmp_
     import csv
     import os
 
-    import main as cli
     from callbacks.saturation import AmaxSaturationCallback
-    from tests._cli_runs import SimulatedCrash, write_config
+    from tests._cli_runs import SimulatedCrash, checkpointed_fit
 
-    def fit(directory, *extra, crash_at=None):
-        directory.mkdir(parents=True, exist_ok=True)
-        callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                      "init_args": {"dirpath": str(directory / "ckpt"), "save_last": True, "every_n_train_steps": 2,
-                                    "save_top_k": -1}}]
-        if crash_at is not None:
-            callbacks.append({"class_path": "tests._cli_runs.CrashAt", "init_args": {"step": crash_at}})
-        # 12 steps, 3 of warmup: 9 quantized steps, enough for the trend (6)
-        config = write_config(directory, tiny_model_dir, tiny_corpus, **{"trainer.max_steps": 12,
-                                                                          "trainer.callbacks": callbacks})
-        return cli.cli_main(["fit", "--config", config, *extra]).trainer
+    def fit(directory, *extra, crash_at=None):  # 12 steps, 3 of warmup: 9 quantized steps, enough for the trend (6)
+        return checkpointed_fit(directory, tiny_model_dir, tiny_corpus, *extra, crash_at=crash_at,
+                                **{"trainer.max_steps": 12})
 
     def forecast_of(trainer):
         return next(c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)).forecast

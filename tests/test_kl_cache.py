@@ -27,7 +27,7 @@ from qat_app.errors import ConfigError
 from qat_app.eval.kl_cache import (FINAL_FILE, INITIAL_FILE, InitialKL, TopKCacheError, check_settings, coarse_kl,
                                    interval, kl_between, load_topk, logprobs_at, save_topk, topk_logprobs)
 from qat_app.hif8.health import full_kl
-from tests._cli_runs import TINY_BENCHMARKS, write_config
+from tests._cli_runs import TINY_BENCHMARKS, checkpointed_fit, write_config
 
 
 def _sharp_llama(vocab: int = 400, sharpen: float = 20.0, seed: int = 0):
@@ -220,14 +220,7 @@ KL_RUN = {"trainer.val_check_interval": 4,  # micro-batches: validates after opt
 
 
 def _fit(tmp_path, model_dir, corpus, *extra, crash_at=None):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True, "every_n_train_steps": 2,
-                                "save_top_k": -1}}]
-    if crash_at is not None:
-        callbacks.append({"class_path": "tests._cli_runs.CrashAt", "init_args": {"step": crash_at}})
-    config = write_config(tmp_path, model_dir, corpus, **KL_RUN, **{"trainer.callbacks": callbacks})
-    return cli.cli_main(["fit", "--config", config, *extra]).trainer
+    return checkpointed_fit(tmp_path, model_dir, corpus, *extra, crash_at=crash_at, **KL_RUN)
 
 
 def _logged_kl(log_dir) -> list[tuple[float, float, float]]:
