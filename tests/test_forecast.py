@@ -112,7 +112,7 @@ def test_the_report_and_the_run_summary_say_how_the_forecast_did():
     scored = json.loads(json.dumps(forecast.scored()))
     lines = render_forecast([{"label": "qat", "saturation": {"forecast": scored}}])
     lead = scored["lead_steps"][0]
-    assert f"| `qat` | 8 | 1 | 1 | 0 | 1 | 0 | {lead} |" in lines
+    assert f"| `qat` | 8 | 1 | 1 | 0 | 0 | 1 | 0 | {lead} |" in lines
     assert summary_lines(scored) == [f"forecast      1 warning(s) within 8 steps: 1 hit(s), lead {lead} steps (median), "
                                      "0 false alarm(s); 0 of 1 clipped tensors not forecast"]
     assert NOT_RECORDED in render_forecast([{"label": "old", "saturation": {}}])[-1] and summary_lines(None) == []

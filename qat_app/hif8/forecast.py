@@ -17,7 +17,8 @@ after a step that cleared it.
 
 Scored against what happened, at the end of a run: a warning is a *hit* if the tensor clipped while it was open
 (lead time: the steps between them), a *false alarm* if it cleared (its forecast back beyond the horizon, more than
-``horizon`` steps after it) or the run ended first; a tensor's first clip with no warning open is a *miss*. A tensor that clips on one step out of the blue (a spike with no
+``horizon`` steps after it) or its horizon ran out without a clip, *open at the end* if the run ended within its
+horizon; a tensor's first clip with no warning open is a *miss*. A tensor that clips on one step out of the blue (a spike with no
 trend) is a miss by construction: the forecast is for drifts, not for spikes.
 
 Host-side, on the headroom values the saturation callback reads once per optimizer step anyway (one device->host copy
@@ -38,6 +39,9 @@ MIN_POINTS = 6
 # a step clips when its headroom is under h_clip, and steps scatter about the trend: the forecast is for the trend
 # coming within this many robust spreads of h_clip (about 2.3 % of steps fall further below a line)
 NOISE_SIGMAS = 2.0
+# a trend is one when its slope is at least this many standard errors below zero (one-sided, about 0.1 % of a
+# stationary tensor's fits at 3): the scatter of a stationary tensor's headroom makes smaller slopes on its own
+SIGNIFICANCE = 3.0
 
 
 def theil_sen(values: list[float]) -> tuple[float, float]:
@@ -49,17 +53,21 @@ def theil_sen(values: list[float]) -> tuple[float, float]:
     return slope, intercept
 
 
-def steps_to_clip(values: list[float], h_clip: float, sigmas: float = 0.0) -> tuple[float, float]:
+def steps_to_clip(values: list[float], h_clip: float, sigmas: float = 0.0,
+                  significance: float = 0.0) -> tuple[float, float]:
     """(steps until the fitted headroom line comes within ``sigmas`` residual spreads (1.4826 MAD, robust) of
-    ``h_clip``, counted from the last value: inf where the line does not fall; 0 where it is there already), the slope
-    per step."""
+    ``h_clip``, counted from the last value: inf where the line does not fall, or falls by less than ``significance``
+    standard errors of a slope (spread sqrt(12 / (n (n^2 - 1)))): a slope the scatter alone makes; 0 where it is there
+    already), the slope per step."""
     slope, intercept = theil_sen(values)
     residuals = [v - (intercept + slope * k) for k, v in enumerate(values)]
     spread = 1.4826 * statistics.median(abs(r) for r in residuals)
+    n = len(values)
+    standard_error = spread * math.sqrt(12.0 / (n * (n * n - 1)))  # of a fitted slope over n equally spaced steps
+    if slope >= 0 or -slope < significance * standard_error:
+        return math.inf, slope
     line = h_clip + sigmas * spread  # one noisy step below the line clips
     now = intercept + slope * (len(values) - 1)
-    if slope >= 0:
-        return math.inf, slope
     if now < line:
         return 0.0, slope
     return (now - line) / -slope, slope
@@ -70,7 +78,7 @@ class SaturationForecast:
     the reported slope and the default ``horizon``)."""
 
     def __init__(self, window: int, horizon: int | None = None, points: int | None = None,
-                 min_points: int = MIN_POINTS, sigmas: float = NOISE_SIGMAS) -> None:
+                 min_points: int = MIN_POINTS, sigmas: float = NOISE_SIGMAS, significance: float = SIGNIFICANCE) -> None:
         horizon = window if horizon is None else horizon
         # extrapolating h steps ahead needs a fit over as many: the slope's noise falls as points^-1.5
         points = max(DEFAULT_POINTS, horizon) if points is None else points
@@ -79,14 +87,16 @@ class SaturationForecast:
         if not (isinstance(points, int) and points >= min_points >= 3):
             raise FieldError("forecast_points", f"must be an integer >= {max(3, min_points)}, got {points!r}")
         self.window, self.horizon, self.points, self.min_points = int(window), horizon, points, min_points
-        self.sigmas = sigmas
+        self.sigmas, self.significance = sigmas, significance
         self.trails: dict[str, deque] = {}
         self.open: dict[str, dict] = {}  # tensor -> its warning not yet cleared
         self.warnings: list[dict] = []  # every warning, in order, with what became of it
         self.clips: list[dict] = []  # every tensor-step that clipped: {"tensor", "step", "warned_at"}
+        self.last_step = -1
 
     def state_dict(self) -> dict:
         return {"trails": {name: list(trail) for name, trail in self.trails.items()}, "open": dict(self.open),
+                "last_step": self.last_step,
                 "warnings": [dict(w) for w in self.warnings], "clips": [dict(c) for c in self.clips]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -94,11 +104,16 @@ class SaturationForecast:
         self.open = dict(state.get("open", {}))
         self.warnings = [dict(w) for w in state.get("warnings", [])]
         self.clips = [dict(c) for c in state.get("clips", [])]
+        self.last_step = int(state.get("last_step", -1))
+        # the open warnings are the same objects as their entries of the list (a warning is scored where it is)
+        self.open = {name: next((w for w in self.warnings if w["tensor"] == name and w["step"] == o["step"]), o)
+                     for name, o in self.open.items()}
 
     def update(self, step: int, tensors: list[tuple[str, float, bool, float]]) -> tuple[dict[str, dict], list[dict]]:
         """One optimizer step: ``tensors`` = (name, its headroom this step (inf: not quantized), whether it clipped,
         its h_clip). -> (tensor -> its forecast {"steps_to_clip", "slope_per_window", "headroom"}, the new warnings)."""
         forecasts, new = {}, []
+        self.last_step = step
         for name, headroom, clipped, h_clip in tensors:
             if clipped:
                 warned = self.open.get(name)
@@ -111,7 +126,7 @@ class SaturationForecast:
             trail.append(float(headroom))
             if len(trail) < self.min_points:
                 continue
-            steps, slope = steps_to_clip(list(trail), h_clip, self.sigmas)
+            steps, slope = steps_to_clip(list(trail), h_clip, self.sigmas, self.significance)
             forecasts[name] = {"steps_to_clip": steps, "slope_per_window": slope * self.window, "headroom": headroom}
             if steps <= self.horizon and not clipped and name not in self.open:
                 warning = {"tensor": name, "step": step, "steps_to_clip": steps, "headroom": headroom,
@@ -129,15 +144,19 @@ class SaturationForecast:
         warning cleared, or the run ended, without a clip), misses (a tensor's first clip with no warning open),
         with the warnings themselves."""
         hits = [{**w, "lead_steps": w["clipped_at"] - w["step"]} for w in self.warnings if w.get("clipped_at") is not None]
-        false_alarms = [dict(w) for w in self.warnings if w.get("clipped_at") is None]
+        # a warning whose horizon had not run out when the run ended is neither: nobody saw what came next
+        open_at_end = [dict(w) for w in self.warnings if w.get("clipped_at") is None and self.open.get(w["tensor"]) is w
+                       and w["step"] + self.horizon > self.last_step]
+        false_alarms = [dict(w) for w in self.warnings if w.get("clipped_at") is None and not any(
+            o["tensor"] == w["tensor"] and o["step"] == w["step"] for o in open_at_end)]
         first_clips: dict[str, dict] = {}
         for clip in self.clips:
             first_clips.setdefault(clip["tensor"], clip)
         misses = [{"tensor": c["tensor"], "step": c["step"]} for c in first_clips.values() if c["warned_at"] is None]
         return {"horizon": self.horizon, "window": self.window, "warnings": len(self.warnings), "hits": len(hits),
-                "false_alarms": len(false_alarms), "misses": len(misses), "tensors_clipped": len(first_clips),
-                "lead_steps": [h["lead_steps"] for h in hits], "hit_list": hits, "false_alarm_list": false_alarms,
-                "miss_list": misses}
+                "false_alarms": len(false_alarms), "open_at_end": len(open_at_end), "misses": len(misses),
+                "tensors_clipped": len(first_clips), "lead_steps": [h["lead_steps"] for h in hits], "hit_list": hits,
+                "false_alarm_list": false_alarms, "open_at_end_list": open_at_end, "miss_list": misses}
 
 
 def summary_lines(scored: dict | None) -> list[str]:
@@ -146,6 +165,7 @@ def summary_lines(scored: dict | None) -> list[str]:
         return []
     leads = sorted(scored["lead_steps"])
     lead = f", lead {leads[len(leads) // 2]} steps (median)" if leads else ""
+    pending = f", {scored['open_at_end']} open at the end" if scored.get("open_at_end") else ""
     return [f"forecast      {scored['warnings']} warning(s) within {scored['horizon']} steps: {scored['hits']} hit(s)"
-            f"{lead}, {scored['false_alarms']} false alarm(s); {scored['misses']} of {scored['tensors_clipped']} "
-            "clipped tensors not forecast"]
+            f"{lead}, {scored['false_alarms']} false alarm(s){pending}; {scored['misses']} of "
+            f"{scored['tensors_clipped']} clipped tensors not forecast"]

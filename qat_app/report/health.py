@@ -403,13 +403,14 @@ def render_forecast(results: list[dict]) -> list[str]:
         return lines + [f"{NOT_RECORDED} (saturation.forecast: by runs made since it existed)."]
     lines += ["Each tensor's headroom a_hat / amax, fitted over its recent steps (Theil-Sen) and extrapolated to the clip "
               "line: a warning when that is within the horizon. Hit: it clipped while warned (lead: steps ahead); false "
-              "alarm: it did not; miss: a first clip nobody forecast (a spike with no trend is one by construction).", "",
-              "| run | horizon (steps) | warnings | hits | false alarms | clipped tensors | misses | lead steps |",
-              "|---|---:|---:|---:|---:|---:|---:|---|"]
+              "alarm: its horizon ran out without a clip; open at the end: the run ended within it; miss: a first clip "
+              "nobody forecast (a spike with no trend is one by construction).", "",
+              "| run | horizon (steps) | warnings | hits | false alarms | open at the end | clipped tensors | misses | "
+              "lead steps |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for label, f in runs:
         leads = ", ".join(str(v) for v in f.get("lead_steps", [])) or "–"
         lines.append(f"| `{label}` | {f['horizon']} | {f['warnings']} | {f['hits']} | {f['false_alarms']} | "
-                     f"{f['tensors_clipped']} | {f['misses']} | {leads} |")
+                     f"{f.get('open_at_end', 0)} | {f['tensors_clipped']} | {f['misses']} | {leads} |")
     return lines
 
 
