@@ -6,11 +6,12 @@ the device at every step boundary (:mod:`.scaler_bank`). A step clips when ``ama
 ``s = max_val / a_hat / 2^margin``, i.e. when ``h < h_clip = max_val / (threshold * 2^margin)`` (HiF8 at 15: 15 /
 15.5 = 0.968). A tensor whose amax grows faster than its window forgets has a headroom that falls step after step.
 
-Per tensor, over its last ``points`` quantized steps (default: the horizon, at least 16; forecasting needs at least
-``min_points``), the forecast fits a robust line to
+Per tensor, over its last ``points`` quantized steps (default: the horizon, at least 16; forecasting starts once it
+has one window of them, ``min_points``), the forecast fits a robust line to
 the headroom (Theil-Sen: the median of the pairwise slopes, then the median intercept; one outlying step moves
-neither), and, where it falls, extrapolates it to ``h_clip`` raised by two robust spreads of the steps about the
-line (a step scattered that far below the trend clips): **steps to clip at this rate**. The slope is reported
+neither), and, where it falls significantly (a slope 4 standard errors below zero: a stationary tensor's scatter
+does not make one), extrapolates it to ``h_clip`` raised by two robust spreads of the steps about the line (a step
+scattered that far below the trend clips): **steps to clip at this rate**. The slope is reported
 per window (``history_len`` steps: the headroom lost in the time the window takes to forget). A tensor is *at risk*
 when it is forecast to clip within ``horizon`` steps (default: one window); it is warned about once, and again only
 after a step that cleared it.
@@ -39,9 +40,10 @@ MIN_POINTS = 6
 # a step clips when its headroom is under h_clip, and steps scatter about the trend: the forecast is for the trend
 # coming within this many robust spreads of h_clip (about 2.3 % of steps fall further below a line)
 NOISE_SIGMAS = 2.0
-# a trend is one when its slope is at least this many standard errors below zero (one-sided, about 0.1 % of a
-# stationary tensor's fits at 3): the scatter of a stationary tensor's headroom makes smaller slopes on its own
-SIGNIFICANCE = 3.0
+# a trend is one when its slope is at least this many standard errors below zero (one-sided; a stationary tensor's
+# fit gets there about once in 30,000, and its fits overlap step after step): the scatter of a stationary tensor's
+# headroom makes smaller slopes on its own
+SIGNIFICANCE = 4.0
 
 
 def theil_sen(values: list[float]) -> tuple[float, float]:
@@ -78,10 +80,13 @@ class SaturationForecast:
     the reported slope and the default ``horizon``)."""
 
     def __init__(self, window: int, horizon: int | None = None, points: int | None = None,
-                 min_points: int = MIN_POINTS, sigmas: float = NOISE_SIGMAS, significance: float = SIGNIFICANCE) -> None:
+                 min_points: int | None = None, sigmas: float = NOISE_SIGMAS,
+                 significance: float = SIGNIFICANCE) -> None:
         horizon = window if horizon is None else horizon
         # extrapolating h steps ahead needs a fit over as many: the slope's noise falls as points^-1.5
         points = max(DEFAULT_POINTS, horizon) if points is None else points
+        # a trend over less than one window after quantization starts is the warmup's transient, not a drift
+        min_points = min(max(MIN_POINTS, int(window)), points) if min_points is None else min_points
         if not (isinstance(horizon, int) and horizon > 0):
             raise FieldError("forecast_horizon", f"must be a positive number of steps, got {horizon!r}")
         if not (isinstance(points, int) and points >= min_points >= 3):
