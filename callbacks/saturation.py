@@ -40,13 +40,13 @@ import torch
 from qat_app.errors import ConfigError
 from qat_app.hif8.counters import HEALTH, as_rows, gather_columns
 from qat_app.hif8.errors import FieldError
-from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, validate_grid
-from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
-from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, WHATIF_ALGOS, summarize
 from qat_app.hif8.fallback import fallen_back, quantized_tensors, scaler_pairs
 from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.formats import saturation_threshold
+from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, validate_grid
+from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, WHATIF_ALGOS, summarize
 from qat_app.hif8.quantized import set_health_measurement
+from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,7 @@ def clip_headrooms(model) -> dict[str, float]:
 
 def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> tuple | None:
     """(the max_val grid with the run's own added, operand -> the run's max_val, format, margin, power_2, the block
-    pattern) of
-    ``model``'s quantized tensors (None without any); a grid the format cannot hold names
+    pattern) of ``model``'s quantized tensors (None without any); a grid the format cannot hold names
     ``saturation.headroom_grid``."""
     tensors = quantized_tensors(model)
     if not tensors:
@@ -132,7 +131,7 @@ class AmaxSaturationCallback(L.Callback):
                               "saturation.health true, or saturation.headroom false")
         self.headroom = health if headroom is None else headroom
         self.headroom_grid = headroom_grid
-        self._headroom_setup: tuple | None = None  # (grid, operand -> the run's max_val, format, margin, power_2)
+        self._headroom_setup: tuple | None = None  # what headroom_setup returns, at setup
         self.headroom_last: dict | None = None  # the last measured step's digest (qat_app.hif8.headroom.digest)
         if forecast_horizon is not None and not (isinstance(forecast_horizon, int) and forecast_horizon > 0):
             raise ConfigError(f"saturation.forecast_horizon: must be a positive number of optimizer steps, got "
@@ -224,7 +223,8 @@ class AmaxSaturationCallback(L.Callback):
         if health_step:
             metrics.update(self._health_metrics(pairs, columns, step - 1))
         if self.forecast is not None:
-            metrics.update(self._forecast_metrics(pl_module.model, pairs, rows, step - 1, log_layers))
+            metrics.update(self._forecast_metrics(pl_module.model, pairs, rows, step - 1, log_layers,
+                                                  trainer.is_global_zero))
         if self.per_layer and log_layers:
             for (name, _), (amax, a_hat, _headroom, n_clipped, n_seen) in zip(pairs, rows):
                 metrics[f"amax/{name}"] = amax
@@ -267,7 +267,7 @@ class AmaxSaturationCallback(L.Callback):
                 metrics.update(self._headroom_metrics(pairs, columns, measured, step, figures["sqnr_db"]))
         return metrics
 
-    def _forecast_metrics(self, model, pairs, rows, step: int, log_layers: bool) -> dict[str, float]:
+    def _forecast_metrics(self, model, pairs, rows, step: int, log_layers: bool, say: bool) -> dict[str, float]:
         """The forecast's step (the one that ended): new warnings logged as warnings; the tensors at risk and the
         nearest forecast clip every step, each tensor's forecast on the logged steps (with ``per_layer``)."""
         if self._clip_headroom is None or len(self._clip_headroom) != len(pairs):
@@ -275,7 +275,7 @@ class AmaxSaturationCallback(L.Callback):
         tensors = [(name, headroom, n_clipped > 0, self._clip_headroom[name])
                    for (name, _), (_amax, _a_hat, headroom, n_clipped, _n) in zip(pairs, rows)]
         forecasts, warnings = self.forecast.update(step, tensors)
-        for w in warnings:
+        for w in warnings if say else ():  # every rank decides the same; one of them says it
             log.warning("saturation forecast: %s is forecast to clip in ~%.0f steps at this rate (headroom a_hat/amax "
                         "%.4f, falling %.4f per window of %d steps; horizon %d)", w["tensor"], w["steps_to_clip"],
                         w["headroom"], -w["slope_per_window"], self.forecast.window, self.forecast.horizon)

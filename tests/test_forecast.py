@@ -149,3 +149,23 @@ def test_a_killed_and_resumed_fit_forecasts_what_the_uninterrupted_one_does(tmp_
     after = {key: v for key, v in logged(straight).items() if key[0] >= 6}
     assert after and logged(resumed) == {key: v for key, v in after.items() if key in logged(resumed)}
     assert {key for key in after if key[1] == "forecast/at_risk"} <= set(logged(resumed))
+
+
+def test_the_callback_says_a_new_warning_once_on_one_rank_and_logs_the_risk(caplog):
+    import logging
+
+    from callbacks.saturation import AmaxSaturationCallback
+
+    # the planted outlier's headroom a_hat / amax = exp(-c (2t - 1)), a little scatter on it, steps 40 .. 79
+    headrooms = [math.exp(-2e-4 * (2 * t - 1)) * (1 + (3e-4 if t % 2 else -3e-4)) for t in range(40, 80)]
+    for say in (True, False):
+        callback = AmaxSaturationCallback()
+        callback.forecast, callback._clip_headroom = SaturationForecast(8), {"x": H_CLIP}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="callbacks.saturation"):
+            for k, h in enumerate(headrooms):
+                metrics = callback._forecast_metrics(None, [("x", None)], [[1.0, h, h, 0, 4096]], 40 + k, True, say)
+        lines = [r.getMessage() for r in caplog.records if "saturation forecast" in r.getMessage()]
+        assert len(lines) == (1 if say else 0)
+        assert callback.forecast.warnings and metrics["forecast/at_risk"] == 1.0 and "forecast/x/slope_per_window" in metrics
+    assert lines == []
