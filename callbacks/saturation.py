@@ -77,18 +77,19 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def clip_headrooms(model) -> dict[str, float]:
-    """tensor name -> the headroom a_hat / amax under which a step of it clips: max_val / (threshold 2^margin)."""
+def clip_headrooms(tensors) -> dict[str, float]:
+    """tensor name -> the headroom a_hat / amax under which a step of it clips: max_val / (threshold 2^margin), for
+    :func:`~qat_app.hif8.fallback.quantized_tensors`' entries (a fallback keeps the scaler and its max_val)."""
     return {_short(f"{name}.{operand}"): (scaler := layer.scaler_of(operand)).max_val / (
         saturation_threshold(layer.format.name, scaler.max_val) * 2.0**scaler.margin)
-        for name, layer, operand in quantized_tensors(model)}
+        for name, layer, operand in tensors}
 
 
-def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> tuple | None:
+def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN, tensors=None) -> tuple | None:
     """(the max_val grid with the run's own added, operand -> the run's max_val, format, margin, power_2, the block
-    pattern) of ``model``'s quantized tensors (None without any); a grid the format cannot hold names
-    ``saturation.headroom_grid``."""
-    tensors = quantized_tensors(model)
+    pattern) of ``model``'s quantized tensors (``tensors``: :func:`~qat_app.hif8.fallback.quantized_tensors`'s, when
+    at hand; None without any); a grid the format cannot hold names ``saturation.headroom_grid``."""
+    tensors = quantized_tensors(model) if tensors is None else tensors
     if not tensors:
         return None
     _, layer, _ = tensors[0]
@@ -139,7 +140,7 @@ class AmaxSaturationCallback(L.Callback):
         self.forecast_on, self.forecast_horizon = forecast, forecast_horizon
         self.forecast: SaturationForecast | None = None  # built at setup, when the window is known
         self._forecast_state: dict | None = None  # a checkpoint's, until then
-        self._clip_headroom: dict[str, float] | None = None  # tensor -> the headroom under which it clips
+        self._clip_headroom: dict[str, float] = {}  # tensor -> the headroom under which it clips (at setup)
         self._logged_step = -1
         self._measuring = False  # the quantized matmuls' health switch, as last set
         self.summary_path: str | None = None
@@ -168,12 +169,13 @@ class AmaxSaturationCallback(L.Callback):
         if self.forecast_on and tensors and self.forecast is None:
             window = tensors[0][1].scaler_of(tensors[0][2]).history_len
             self.forecast = SaturationForecast(window, self.forecast_horizon)
+            self._clip_headroom = clip_headrooms(tensors)
             if self._forecast_state is not None:
                 self.forecast.load_state_dict(self._forecast_state)
         if self.headroom:
             quant = getattr(pl_module, "quant", None)
             self._headroom_setup = headroom_setup(pl_module.model, self.headroom_grid,
-                                                  getattr(quant, "block_pattern", DEFAULT_BLOCK_PATTERN))
+                                                  getattr(quant, "block_pattern", DEFAULT_BLOCK_PATTERN), tensors)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # a resumed run logged the step before the checkpoint already: start with the next one
@@ -223,8 +225,7 @@ class AmaxSaturationCallback(L.Callback):
         if health_step:
             metrics.update(self._health_metrics(pairs, columns, step - 1))
         if self.forecast is not None:
-            metrics.update(self._forecast_metrics(pl_module.model, pairs, rows, step - 1, log_layers,
-                                                  trainer.is_global_zero))
+            metrics.update(self._forecast_metrics(pairs, rows, step - 1, log_layers, trainer.is_global_zero))
         if self.per_layer and log_layers:
             for (name, _), (amax, a_hat, _headroom, n_clipped, n_seen) in zip(pairs, rows):
                 metrics[f"amax/{name}"] = amax
@@ -267,11 +268,9 @@ class AmaxSaturationCallback(L.Callback):
                 metrics.update(self._headroom_metrics(pairs, columns, measured, step, figures["sqnr_db"]))
         return metrics
 
-    def _forecast_metrics(self, model, pairs, rows, step: int, log_layers: bool, say: bool) -> dict[str, float]:
+    def _forecast_metrics(self, pairs, rows, step: int, log_layers: bool, say: bool) -> dict[str, float]:
         """The forecast's step (the one that ended): new warnings logged as warnings; the tensors at risk and the
         nearest forecast clip every step, each tensor's forecast on the logged steps (with ``per_layer``)."""
-        if self._clip_headroom is None or len(self._clip_headroom) != len(pairs):
-            self._clip_headroom = clip_headrooms(model)  # a fallback to current scaling keeps max_val: stable
         tensors = [(name, headroom, n_clipped > 0, self._clip_headroom[name])
                    for (name, _), (_amax, _a_hat, headroom, n_clipped, _n) in zip(pairs, rows)]
         forecasts, warnings = self.forecast.update(step, tensors)

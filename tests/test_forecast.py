@@ -182,7 +182,7 @@ def test_the_callback_says_a_new_warning_once_on_one_rank_and_logs_the_risk(capl
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="callbacks.saturation"):
             for k, h in enumerate(headrooms):
-                metrics = callback._forecast_metrics(None, [("x", None)], [[1.0, h, h, 0, 4096]], 40 + k, True, say)
+                metrics = callback._forecast_metrics([("x", None)], [[1.0, h, h, 0, 4096]], 40 + k, True, say)
         lines = [r.getMessage() for r in caplog.records if "saturation forecast" in r.getMessage()]
         assert len(lines) == (1 if say else 0)
         assert callback.forecast.warnings and metrics["forecast/at_risk"] == 1.0 and "forecast/x/slope_per_window" in metrics

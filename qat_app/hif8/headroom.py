@@ -45,7 +45,7 @@ import torch
 from .backends.reference import current_scale
 from .errors import FieldError
 from .formats import get_format, saturation_threshold
-from .health import HIST_BINS, HIST_OFFSET, bin_lower_edge
+from .health import HIST_BINS, HIST_OFFSET, bin_lower_edge, sqnr_from_powers
 from .recipe import DEFAULT_BLOCK_PATTERN
 
 # the max_val settings evaluated by default: from 2 to HiF8's largest finite value, the paper's 15 included
@@ -129,12 +129,6 @@ class HeadroomEstimate:
     clipped: torch.Tensor
     clipped_low: torch.Tensor
     clipped_high: torch.Tensor
-    numel: torch.Tensor  # [m]
-
-
-def _sqnr(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    db = torch.where(noise > 0, 10 * torch.log10(signal / noise.clamp(min=1e-300)), math.inf)
-    return torch.where(signal > 0, db, math.nan)
 
 
 def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Tensor, max_vals, fmt_name: str = "hif8",
@@ -158,7 +152,7 @@ def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Ten
     lower, upper = lower[finite & occupied], upper[finite & occupied]
     lower, upper = torch.minimum(lower, amax), torch.minimum(upper, amax)  # [m, bins]
     signal = health[:, 1]  # sum x^2 (FIELDS order: numel, sum_x2, ...)
-    a_hat = a_hat.double().reshape(-1).to(torch.float32)
+    a_hat = a_hat.reshape(-1).float()  # the scale is computed as the scaler computes it, in float32
     shape = (m, len(max_vals))
     out = {k: torch.zeros(shape, dtype=torch.float64) for k in ("mean", "low", "high", "clip", "clip_low", "clip_high")}
     for j, max_val in enumerate(max_vals):
@@ -197,10 +191,15 @@ def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Ten
     signal = signal[:, None]
 
     def sqnr(noise):
-        return torch.where(bad, math.nan, _sqnr(signal.expand(shape), noise))
+        return torch.where(bad, math.nan, sqnr_from_powers(signal.expand(shape), noise))
 
     return HeadroomEstimate(max_vals, sqnr(out["mean"]), sqnr(out["high"]), sqnr(out["low"]), out["clip"],
-                            out["clip_low"], out["clip_high"], health[:, 0])
+                            out["clip_low"], out["clip_high"])
+
+
+def finite_mean(sqnr_db: torch.Tensor) -> torch.Tensor:
+    """The mean over tensors (dim 0) of their finite SQNRs (an error-free tensor's inf, an empty one's NaN left out)."""
+    return torch.nanmean(torch.where(torch.isfinite(sqnr_db), sqnr_db, torch.nan), dim=0)
 
 
 def suggest(estimate: HeadroomEstimate, rows: list[int], clipped_allowed: float) -> dict:
@@ -209,9 +208,7 @@ def suggest(estimate: HeadroomEstimate, rows: list[int], clipped_allowed: float)
     ``max_val``: ``{"max_val", "sqnr_db": [...], "clipped_high": [...]}`` (max_val None when none qualifies)."""
     if not rows:
         return {"max_val": None, "sqnr_db": [], "clipped_high": []}
-    sqnr = estimate.sqnr_db[rows]
-    finite = torch.where(torch.isfinite(sqnr), sqnr, torch.nan)
-    mean_db = torch.nanmean(finite, dim=0)
+    mean_db = finite_mean(estimate.sqnr_db[rows])
     clipped = estimate.clipped_high[rows].sum(dim=0)
     allowed = (clipped <= clipped_allowed) & torch.isfinite(mean_db)
     best = None
@@ -268,8 +265,7 @@ def digest(names: list[str], estimate: HeadroomEstimate, run_max_val: dict[str, 
         if own["max_val"] is None:
             return None
         sqnr = at_run(subset, estimate.sqnr_db)
-        value = own["sqnr_db"][estimate.max_vals.index(own["max_val"])] - float(
-            torch.nanmean(torch.where(torch.isfinite(sqnr), sqnr, torch.nan)))
+        value = own["sqnr_db"][estimate.max_vals.index(own["max_val"])] - float(finite_mean(sqnr))
         return value if math.isfinite(value) else None
 
     overall = suggestion(rows)

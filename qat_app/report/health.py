@@ -395,8 +395,8 @@ def headroom_crosscheck_lines(runs: list[tuple[str, dict]]) -> list[str]:
 
 
 def render_forecast(results: list[dict]) -> list[str]:
-    """Markdown lines: per QAT run, the saturation forecast scored against what happened (:mod:`qat_app.hif8.forecast`),
-    and its warnings (or one line: no run recorded it)."""
+    """Markdown lines: per QAT run, the saturation forecast scored against what happened (:mod:`qat_app.hif8.forecast`;
+    the warnings themselves are in saturation_summary.json), or one line: no run recorded it."""
     runs = [(r["label"], f) for r in results if isinstance(f := (r.get("saturation") or {}).get("forecast"), dict)]
     lines = ["", "## Saturation forecast", ""]
     if not runs:
