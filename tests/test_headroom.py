@@ -169,6 +169,7 @@ def test_the_report_sets_each_runs_estimate_against_the_runs_made_at_other_max_v
     other measured (here the tensors are the same, so the bound is exact) and the table says so."""
     from qat_app.report.health import headroom_crosscheck, render_headroom
 
+    torch.manual_seed(3)  # the Student-t sample draws from the global generator
     x = tensors()["student_t3"]
     amax = x.abs().max().reshape(1)
     grid = validate_grid(DEFAULT_GRID)
