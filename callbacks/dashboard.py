@@ -89,7 +89,9 @@ LAYOUT = {
 
 
 class TensorBoardDashboard(L.Callback):
-    """Args:
+    """The TensorBoard custom-scalars layout of the run's charts.
+
+    Args:
         enabled: write the custom-scalars layout to every TensorBoard logger at fit start.
     """
 

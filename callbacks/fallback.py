@@ -58,7 +58,9 @@ def make_policy(policy) -> FallbackPolicy:
 
 
 class FallbackCallback(L.Callback):
-    """Args:
+    """The automatic fallback of persistently saturating or low-SQNR tensors (opt-in).
+
+    Args:
         enabled: apply the fallback policy (off by default: a tensor only falls back when asked to).
         policy: when a tensor falls back and to what (:class:`qat_app.hif8.fallback.FallbackPolicy`).
     """

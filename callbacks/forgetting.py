@@ -153,7 +153,9 @@ def _benchmark_tasks(datamodule) -> list[str]:
 
 
 class ForgettingMonitor(L.Callback):
-    """Args:
+    """Forgetting alarms: every validation's benchmarks and KL against the initial model.
+
+    Args:
         enabled: null (default): on whenever the initial evaluation runs (``initial_eval.enabled`` and
             benchmarks), silently off otherwise (said once in the log); true: required (an error without the
             initial evaluation); false: off.

@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class InitialEvaluationCallback(L.Callback):
-    """Args:
+    """The unquantized model's validation at step 0, and its top-k cache for the KL.
+
+    Args:
         enabled: validate at step 0 when benchmarks are configured.
         kl: keep the initial model's top-k cache (``<log_dir>/initial_topk.pt``) and log ``forget/kl``
             at every later validation of the fit (needs held-out LM blocks, ``data.val_documents > 0``).

@@ -70,7 +70,9 @@ def rss_bytes() -> int:
 
 
 class MemoryMonitor(L.Callback):
-    """Args:
+    """The memory breakdown (``mem/*``) every ``log_every_n_steps``.
+
+    Args:
         enabled: log the memory breakdown every ``trainer.log_every_n_steps`` optimizer steps.
     """
 

@@ -32,7 +32,9 @@ METRIC = "noise_floor/kl"
 
 
 class NoiseFloorCallback(L.Callback):
-    """Args:
+    """The W8A8 forward's noise floor, measured once at the end of a fit.
+
+    Args:
         enabled: measure the floor at the end of a fit (of a quantized model: an unquantized one's is 0).
         seeds: the perturbation's seeds, at least 2 distinct (one forward each).
         relative: the perturbation's size, in (0, 1e-3]: the input embeddings x (1 + relative N(0, 1)); 1e-7 is a

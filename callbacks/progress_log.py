@@ -19,7 +19,9 @@ def format_clipped(count, frac) -> str:
 
 
 class StepLogCallback(L.Callback):
-    """Args:
+    """A plain log line every few optimizer steps, readable in files and CI logs.
+
+    Args:
         every_n_steps: log every N optimizer steps (default: trainer.log_every_n_steps).
     """
 

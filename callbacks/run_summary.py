@@ -162,7 +162,9 @@ def _show(path: str | None) -> str:
 
 
 class RunSummaryCallback(L.Callback):
-    """Args:
+    """The end-of-fit summary (also saved as a file).
+
+    Args:
         enabled: print and save the summary at the end of fit.
         baseline: the matched BF16 baseline run directory, filled into the printed report command.
         export_dir: where the printed export command writes (``<export_dir>/<run name>``).
@@ -255,14 +257,14 @@ class RunSummaryCallback(L.Callback):
         if not unquantized:
             lines.append(f"  report      python main.py report --baseline {self.baseline or '<bf16 baseline run>'} --qat {run_dir}")
             name = os.path.basename(os.path.normpath(run_dir)) if run_dir != "-" else "run"
-            export = f"python main.py export --ckpt {_show(last) if last else '<checkpoint>'} " \
+            export = f"python main.py export --ckpt_path {_show(last) if last else '<checkpoint>'} " \
                      f"--out {os.path.join(self.export_dir, name)}"
             config = os.path.join(log_dir, "config.yaml") if log_dir else None
             compare = f" --compare --config {_show(config)}" if config and os.path.isfile(config) else ""
             lines.append(f"  export      {export}")
             lines.append(f"  serve       {export}-fp8 --format compressed-tensors{compare}")
             if compare:  # the same export served by vLLM itself, measured against this run
-                lines.append(f"  on vLLM     python benchmarks/serve_vllm.py --ckpt {_show(last) if last else '<checkpoint>'} "
+                lines.append(f"  on vLLM     python benchmarks/serve_vllm.py --ckpt_path {_show(last) if last else '<checkpoint>'} "
                              f"--config {_show(config)} --out {os.path.join(self.export_dir, name)}-fp8")
         else:
             lines.append(f"  report      python main.py report --baseline {run_dir} --qat <QAT run>")

@@ -31,9 +31,12 @@ def check_warmup_fits(warmup_steps: int, max_steps: int) -> None:
 
 
 class BF16WarmupCallback(L.Callback):
-    """Args:
+    """The BF16 warmup: observers fill the amax histories, then W8A8 switches on.
+
+    Args:
         warmup_steps: optimizer steps without quantization (paper: 500).
-        quantize_weights / quantize_activations: what turns on at the switch.
+        quantize_weights: quantize the weights at the switch.
+        quantize_activations: quantize the activations (the linears' inputs) at the switch.
     """
 
     def __init__(self, warmup_steps: int = 500, quantize_weights: bool = True, quantize_activations: bool = True) -> None:

@@ -25,6 +25,8 @@ import sys
 from typing import Optional
 
 import lightning as L
+from docstring_parser import DocstringStyle
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
@@ -33,6 +35,7 @@ from callbacks import (AmaxSaturationCallback, BF16WarmupCallback, ForgettingMon
                        QATModelSummary, QuantizedModulesCallback, RNGStateCallback, RunSummaryCallback, StepLogCallback,
                        StepProgressBar, TokenThroughputMonitor)
 from qat_app import preflight
+from qat_app.cli_errors import replace_deprecated_flags
 from qat_app.checkpoint import (check_given_checkpoint, is_checkpoint_file_arg, log_replaced_settings, resolve_ckpt_path,
                                 settings_dict)
 from qat_app.errors import ConfigError, QATError
@@ -41,6 +44,10 @@ from qat_app.quiet import quiet_library_notices
 from qat_app.step_profile import StepProfiler
 
 log = logging.getLogger("qat_app.cli")
+
+# Every --help line comes from the constructors' Google-style "Args:" (ours and Lightning's); docstring_parser's
+# auto-detection takes ours for reStructuredText (they cite :class: roles) and finds no argument in them.
+set_parsing_settings(docstring_parse_style=DocstringStyle.GOOGLE)
 
 
 def _user_error_in_chain(err: BaseException) -> BaseException | None:
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     """``argv=None``: the command line (``python main.py ...``, ``hif8-qat ...``); a list: as if typed."""
     if argv is None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    command = sys.argv[1:] if argv is None else argv
+        sys.argv[1:] = replace_deprecated_flags(sys.argv[1:])  # LightningCLI reads sys.argv itself
+    command = sys.argv[1:] if argv is None else replace_deprecated_flags(argv)
     if not command or command[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if command else sys.stderr)
         sys.exit(0 if command else 2)
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # None from the command line: LightningCLI reads sys.argv itself (given a list, it warns that
         # args is meant for calls from within Python)
-        cli_main(argv)
+        cli_main(None if argv is None else command)
     except (QATError, FileNotFoundError) as err:  # the user's input or run, not a bug: no traceback
         if os.environ.get("QAT_APP_TRACEBACK"):
             raise

@@ -8,8 +8,10 @@ config". :func:`explain_argument_error` turns such a message into ``<field or fi
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import re
+import sys
 from pathlib import Path
 
 from .errors import did_you_mean, nearest
@@ -122,6 +124,13 @@ def _value_problem(key: str, text: str) -> str:
     return f"{key}{'=' + value if value is not None and 'Namespace(' not in value and 'NestedArg(' not in value else ''}: {reason}"
 
 
+def _missing_settings(names: str) -> str:
+    """jsonargparse's ``required: validate.data``, said with the flag that gives it (a run's config holds them all)."""
+    keys = [re.sub(r"^(fit|validate|test)\.", "", name.strip()) for name in names.split(",")]
+    return (f"missing {', '.join('--' + key for key in keys)}: give the run's --config FILE (e.g. configs/quickstart.yaml "
+            "or runs/NAME/logs/version_0/config.yaml), which holds its model and data sections, or the flags")
+
+
 def explain_argument_error(message: str, argv: list[str], parser=None) -> str:
     """The one-line explanation of a jsonargparse / argparse error message."""
     text = str(message).strip()
@@ -133,6 +142,9 @@ def explain_argument_error(message: str, argv: list[str], parser=None) -> str:
     if key and key.group(1) == "config":
         missing = re.search(r"File does not exist: '?([^']+)'?", text)
         return f"--config {missing.group(1)}: no such file" if missing else f"--config: {text.split(':', 1)[-1].strip()}"
+    required = re.match(r"the following arguments are required: (.+)$", text)
+    if required:
+        return _missing_settings(required.group(1))
     unknown = re.match(r"unrecognized arguments: (\S+)", text, re.I)
     if unknown:
         flag = unknown.group(1).split("=", 1)[0]
@@ -153,3 +165,51 @@ def explain_argument_error(message: str, argv: list[str], parser=None) -> str:
     if key:
         return _value_problem(key.group(1), text)
     return " ".join(text.split())
+
+
+# One spelling of the checkpoint flag in every command (Lightning's); the old spellings still work, with one line.
+CHECKPOINT_FLAG = "--ckpt_path"
+DEPRECATED_FLAGS = {"--ckpt": CHECKPOINT_FLAG}
+
+
+def replace_deprecated_flags(argv: list[str], warn=None) -> list[str]:
+    """``argv`` with each deprecated flag (``--ckpt X``, ``--ckpt=X``) spelled as its replacement; ``warn`` (default:
+    print to stderr) gets one deprecation line per flag used."""
+    warn = warn or (lambda line: print(line, file=sys.stderr))
+    out, said = [], set()
+    for arg in argv:
+        flag, sep, value = arg.partition("=")
+        if flag in DEPRECATED_FLAGS:
+            if flag not in said:
+                warn(f"warning: {flag} is deprecated; use {DEPRECATED_FLAGS[flag]} (the same flag in every command)")
+                said.add(flag)
+            arg = DEPRECATED_FLAGS[flag] + sep + value
+        out.append(arg)
+    return out
+
+
+def unknown_flags_line(unknown: list[str], parser) -> str:
+    """``unknown flag --ovewrite (did you mean --overwrite?)``: each unrecognized flag named, with the nearest one."""
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")] or list(unknown)
+    known = _flag_names(parser)
+    return "; ".join(f"unknown flag {flag}{did_you_mean(flag, known)}" for flag in flags)
+
+
+class ProgramParser(argparse.ArgumentParser):
+    """The parser of the plain-argparse commands (``export``, ``report``, ``study``, ``inspect``): no abbreviated
+    flags (``--ckpt`` must not silently mean ``--ckpt_path``), deprecated spellings replaced with a warning, and an
+    unknown flag named with the nearest known one, as the LightningCLI commands do."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = replace_deprecated_flags(list(sys.argv[1:] if args is None else args))
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (.+)$", message)
+        if unknown:
+            message = unknown_flags_line(unknown.group(1).split(), self)
+        super().error(message)

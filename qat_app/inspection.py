@@ -44,6 +44,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cli_errors import ProgramParser
 from .errors import ConfigError, QATError
 
 log = logging.getLogger("qat_app.inspect")
@@ -95,8 +96,8 @@ class Inspection:
 
 
 def inspect_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, allow_abbrev=False,
+    parser = ProgramParser(
+        prog=prog,
         description="Per quantized layer: the SQNR (dB) and cosine of its HiF8 output against high precision on the "
                     "same input (the high-precision model's: errors do not compound), worst first, with a suggested "
                     "high_precision_layers or module_pattern. Without --ckpt_path every block is measured "
@@ -337,13 +338,31 @@ def _module_pattern_suggestion(model, selection, measured_k: int, below: list[st
     return pattern, ""
 
 
+def _compare(model, compared: list, forward, operands: dict, block_pattern: str):
+    """Every quantized matmul's output against high precision on each batch, the end-to-end error, and the
+    quantized forward's noise floor on the same batches -> (errors by layer, totals, floor)."""
+    import torch
+
+    from .eval.noise_floor import noise_floor
+    from .hif8.layer_error import EndToEnd, end_to_end, layer_comparison
+    from .hif8.patch import set_quantization
+
+    errors, totals = {}, EndToEnd()
+    with torch.no_grad():
+        for input_ids in compared:
+            end_to_end(model, input_ids, forward, totals, **operands)
+            with layer_comparison(model, errors, block_pattern=block_pattern, **operands):
+                forward(input_ids)
+        set_quantization(model, weights=operands["quantize_weight"], activations=operands["quantize_input"])
+        floor = noise_floor(model, compared, forward=forward, quantized=any(operands.values()))
+        set_quantization(model, weights=False, activations=False)
+    return errors, totals, floor
+
+
 def measure(trainer, module, datamodule, ckpt_path, weights_only, options, configured_k: int, warmup) -> Inspection:
     """Load the scales (checkpoint) or calibrate, compare every quantized matmul on ``options.batches`` batches,
     rank, suggest."""
-    import torch
-
-    from .hif8.layer_error import (EndToEnd, calibrate, end_to_end, layer_comparison,
-                                   suggest_high_precision_layers)
+    from .hif8.layer_error import calibrate, suggest_high_precision_layers
     from .hif8.patch import count_blocks, quantized_linears
     from .hif8.scaling import all_scalers
 
@@ -383,19 +402,8 @@ def measure(trainer, module, datamodule, ckpt_path, weights_only, options, confi
 
     operands = dict(quantize_input=bool(warmup.quantize_activations), quantize_weight=bool(warmup.quantize_weights))
     compared = batches[calibration_batches:]
-    errors, totals = {}, EndToEnd()
     module.eval()
-    with torch.no_grad():
-        for input_ids in compared:
-            end_to_end(model, input_ids, forward, totals, **operands)
-            with layer_comparison(model, errors, block_pattern=selection.block_pattern, **operands):
-                forward(input_ids)
-        from .eval.noise_floor import noise_floor
-        from .hif8.patch import set_quantization
-
-        set_quantization(model, weights=operands["quantize_weight"], activations=operands["quantize_input"])
-        floor = noise_floor(model, compared, forward=forward, quantized=any(operands.values()))
-        set_quantization(model, weights=False, activations=False)
+    errors, totals, floor = _compare(model, compared, forward, operands, selection.block_pattern)
     ranked = sorted(errors.values(), key=lambda e: (math.isnan(e.sqnr_db), e.sqnr_db))
     num_blocks, measured_k = count_blocks(model, selection.block_pattern), selection.high_precision_layers
     below = [e.name for e in ranked if e.sqnr_db < options.min_sqnr]

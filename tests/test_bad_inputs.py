@@ -4,8 +4,8 @@ Every row asserts what the user sees and what is left on disk: the exit code (2 
 one ``error: ...`` line naming the field, flag or file (with the allowed values or the nearest valid name
 where there is one), no traceback (``main`` is called in-process: an exception that escapes it fails the
 row), and the run directory byte-identical afterwards (no new file or folder, nothing rewritten). Rows:
-settings, data files, models, checkpoints and resumes, export, report, evaluation. The README's "Bad
-input" section says what is refused and what is handled (e.g. non-string text rows are skipped, counted).
+settings, data files, models, checkpoints and resumes, export, report, evaluation. The "bad input"
+section of docs/runs.md says what is refused and what is handled (e.g. non-string text rows are skipped, counted).
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def test_bad_data_file(kind, pattern, tmp_path, tiny_model_dir, tiny_corpus, cap
 
 
 def test_dirty_but_usable_data_trains_and_says_what_it_skipped(tmp_path, tiny_model_dir, caplog, capsys):
-    """Rows whose text is null / a number / a list are skipped and counted (the README says so); a document
+    """Rows whose text is null / a number / a list are skipped and counted (docs/runs.md says so); a document
     that tokenises to nothing is skipped with a warning naming it."""
     data = tmp_path / "data"
     data.mkdir()
@@ -537,11 +537,11 @@ def test_validate_refuses_a_quantized_model_without_history(tmp_path, tiny_model
 
 
 # ---------------------------------------------------------------------------------------- export, report
-EXPORT_ROWS = [  # (flags replacing the defaults --ckpt <the run's last.ckpt> --out <tmp>/export, extra flags)
+EXPORT_ROWS = [  # (flags replacing the defaults --ckpt_path <the run's last.ckpt> --out <tmp>/export, extra flags)
     ("float8 storage dtype", {"--dtype": "float8"}, [], r"--dtype='float8' is not a floating point dtype"),
     ("integer compute dtype", {"--compute-dtype": "int8"}, [], r"--compute-dtype='int8' is not a floating point dtype"),
-    ("missing checkpoint", {"--ckpt": "{run}/nope.ckpt"}, [], r"nope\.ckpt does not exist"),
-    ("truncated checkpoint", {"--ckpt": "{truncated}"}, [], r"half\.ckpt cannot be read"),
+    ("missing checkpoint", {"--ckpt_path": "{run}/nope.ckpt"}, [], r"nope\.ckpt does not exist"),
+    ("truncated checkpoint", {"--ckpt_path": "{truncated}"}, [], r"half\.ckpt cannot be read"),
     ("into the run directory", {"--out": "{run}"}, ["--overwrite"],
      r"run0: --overwrite only replaces an earlier export, and it holds files of a run \(.*last\.ckpt, config\.yaml\)"),
     ("into the checkpoint folder", {"--out": "{run}/ckpt"}, ["--overwrite"],
@@ -556,7 +556,7 @@ def test_bad_export(flags, extra, pattern, finished_run, tmp_path, capsys):
     truncated = tmp_path / "half.ckpt"
     raw = (run_dir / "ckpt" / "last.ckpt").read_bytes()
     truncated.write_bytes(raw[: len(raw) // 2])
-    given = {"--ckpt": str(run_dir / "ckpt" / "last.ckpt"), "--out": str(tmp_path / "export"),
+    given = {"--ckpt_path": str(run_dir / "ckpt" / "last.ckpt"), "--out": str(tmp_path / "export"),
              **{k: v.format(run=run_dir, truncated=truncated) for k, v in flags.items()}}
     argv = ["export", *[x for kv in given.items() for x in kv], *extra]
     _refused_without_writing(argv, run_dir, pattern, capsys)

@@ -188,15 +188,15 @@ def test_serve_script_and_export_flags_refuse_bad_input_in_one_line(tmp_path, ca
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
     out = tmp_path / "export"
-    assert serve.main(["--ckpt", str(tmp_path / "x.ckpt"), "--config", "c.yaml", "--out", str(out), "--no-install",
+    assert serve.main(["--ckpt_path", str(tmp_path / "x.ckpt"), "--config", "c.yaml", "--out", str(out), "--no-install",
                        "--vllm-venv", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --vllm-venv") and not out.exists()
     with pytest.raises(SystemExit):  # a serve target is a property of the FP8 export only
-        export_main(["--ckpt", "x.ckpt", "--out", str(out), "--format", "hif8", "--serve-target", "cuda"])
+        export_main(["--ckpt_path", "x.ckpt", "--out", str(out), "--format", "hif8", "--serve-target", "cuda"])
     assert "--serve-target: only with --format compressed-tensors" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        export_main(["--ckpt", "x.ckpt", "--out", str(out), "--format", "compressed-tensors", "--serve-target", "tpu"])
+        export_main(["--ckpt_path", "x.ckpt", "--out", str(out), "--format", "compressed-tensors", "--serve-target", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err and not out.exists()
 
 

@@ -251,7 +251,7 @@ def test_checkpoint_errors(tmp_path, capsys):
         load_qat_checkpoint(garbage)
     with pytest.raises(CheckpointError, match="missing.ckpt"):
         load_qat_checkpoint(tmp_path / "missing.ckpt")
-    assert export_main(["--ckpt", str(not_ckpt), "--out", str(tmp_path / "o")]) == 2
+    assert export_main(["--ckpt_path", str(not_ckpt), "--out", str(tmp_path / "o")]) == 2
     assert "not a QATModule checkpoint" in capsys.readouterr().err
 
 
@@ -274,9 +274,9 @@ def test_cli_from_lightning_checkpoint(tmp_path, tiny_model_dir, capsys):
     trainer.strategy.connect(module)
     ckpt = tmp_path / "m.ckpt"
     trainer.save_checkpoint(ckpt)
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "h8"), "--dtype", "float32"]) == 0
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "h8")]) == 2  # exists, no --overwrite
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "h8"), "--dtype", "float32"]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "h8")]) == 2  # exists, no --overwrite
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     loaded = load_hif8(tmp_path / "h8")
     assert torch.equal(logits(loaded, ids), logits(module.model, ids))
     assert os.path.isfile(tmp_path / "h8" / "tokenizer_config.json")

@@ -23,11 +23,11 @@ def test_export_default_dtype_follows_the_runs_precision(tmp_path, tiny_model_di
     ckpt = _checkpoint(tmp_path, tiny_model_dir, precision)
     assert torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]["precision"] == precision
     assert run_dtype(load_qat_checkpoint(ckpt)) == (expected, f"the run's precision {precision}")
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "fp8"), "--format", "compressed-tensors"]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "fp8"), "--format", "compressed-tensors"]) == 0
     assert f"unquantized tensors stored in {expected} (the run's precision {precision}" in capsys.readouterr().out
     assert json.loads((tmp_path / "fp8" / "fp8_export.json").read_text())["storage_dtype"] == expected
     # an override below the run's precision says what it costs (none below a BF16 run's 2 bytes)
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "h8"), "--dtype", "bfloat16"]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "h8"), "--dtype", "bfloat16"]) == 0
     said = "--dtype bfloat16: the unquantized tensors are rounded from the run's float32"
     assert (said in capsys.readouterr().out) == (expected == "float32")
 

@@ -270,13 +270,13 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     out = tmp_path / "fp8"
     # bad flags: a LightningCLI flag without --compare, --compare without the run's config
     with pytest.raises(SystemExit):
-        export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--config", config])
-    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare"]) == 2
+        export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--config", config])
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare"]) == 2
     assert "--config" in capsys.readouterr().err and not out.exists()
-    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-device", "gpu0", "--config", config]) == 2
     assert "--compare-device 'gpu0'" in capsys.readouterr().err and not out.exists()
-    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-dtype", "int8", "--config", config]) == 2
     assert "--compare-dtype" in capsys.readouterr().err and not out.exists()
     # the run's noise floor beside its config (as a fit writes it): its answers changed go beside the served flips
@@ -286,7 +286,7 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
                         {"arc_challenge": [2, 0, 1], "mmlu": [0, 0, 3]})
     floor_file = tmp_path / "noise_floor.json"
     floor_file.write_text(json.dumps({"text": {"kl": {"difference": 0.01}}, "benchmarks": flips.to_dict()}))
-    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
                         "--compare-batches", "2", "--config", config]) == 0
     printed = capsys.readouterr().out
     assert "| 2/0/1 of 12 |" in printed and "| 0/0/3 of 12 |" in printed and str(floor_file) in printed
@@ -304,7 +304,7 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     assert (out / "quantized_modules.json").is_file()
     # the served side in BF16, as vLLM serves activations: a larger drift than in float32, on the same sequences
     # (the KLs are exact in float64; their intervals do not overlap)
-    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--overwrite", "--format", "compressed-tensors",
+    assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--overwrite", "--format", "compressed-tensors",
                         "--compare", "--compare-batches", "2", "--compare-dtype", "bfloat16", "--config", config]) == 0
     bf16 = json.loads((out / CHECK_JSON).read_text())
     assert "transformers in bfloat16" in bf16["notes"][0]

@@ -180,7 +180,7 @@ def test_fp8_drop_leaves_out_the_tail_and_its_error_is_measured():
     assert (without_tail(a).values != a.values).sum() == 11  # the planted values, and only them, were the tail
     full = scaled_mm(a, b, torch.float32)
     error = float((dropped - full).norm() / full.norm())
-    assert 0 < error < 1e-6  # measured on normal data with planted tails: the bound the README states
+    assert 0 < error < 1e-6  # measured on normal data with planted tails: the bound docs/gemm.md states
 
 
 def test_fp8_pads_to_multiples_of_16():

@@ -1,4 +1,4 @@
-"""The README's recipe for scoring the real W8A8 model with lm-eval: its HFLM on the reloaded 8-bit export.
+"""The recipe of docs/serving.md for scoring the real W8A8 model with lm-eval: its HFLM on the reloaded 8-bit export.
 
 lm-eval's own log-likelihood of a continuation, on the model ``load_hif8`` rebuilt, must equal the
 log-likelihood of the QAT model that was exported (same HiF8 codes and scales, so the same logits).

@@ -97,10 +97,10 @@ def test_fit_prints_summary_and_counts_steps(tmp_path, tiny_model_dir, tiny_corp
     assert os.path.exists(ckpt)
     assert f"checkpoints   runs/tiny/checkpoints (last: {ckpt})" in block
     assert "python main.py report --baseline runs/bf16 --qat runs/tiny" in block
-    assert f"python main.py export --ckpt {ckpt} --out exports/tiny" in block
-    assert (f"python main.py export --ckpt {ckpt} --out exports/tiny-fp8 --format compressed-tensors --compare "
+    assert f"python main.py export --ckpt_path {ckpt} --out exports/tiny" in block
+    assert (f"python main.py export --ckpt_path {ckpt} --out exports/tiny-fp8 --format compressed-tensors --compare "
             f"--config {os.path.join('runs', 'tiny', 'logs', 'version_0', 'config.yaml')}") in block
-    assert (f"python benchmarks/serve_vllm.py --ckpt {ckpt} --config "
+    assert (f"python benchmarks/serve_vllm.py --ckpt_path {ckpt} --config "
             f"{os.path.join('runs', 'tiny', 'logs', 'version_0', 'config.yaml')} --out exports/tiny-fp8") in block
 
     # the progress bar counted optimizer steps out of max_steps, in the QAT phase at the end

@@ -78,21 +78,21 @@ def test_todays_checkpoints_and_an_older_mains_load_weights_only(tmp_path, tiny_
     assert LEGACY_PICKLED_CLASSES == (QuantConfig,)
     module = load_qat_checkpoint(old)
     assert module.hparams["quant"]["history_len"] == 4
-    assert export_main(["--ckpt", old, "--out", str(tmp_path / "h8")]) == 0
+    assert export_main(["--ckpt_path", old, "--out", str(tmp_path / "h8")]) == 0
 
 
 @pytest.mark.parametrize("fmt", ["hif8", "hf", "compressed-tensors"])
 def test_export_refuses_a_planted_checkpoint_in_one_line(tmp_path, tiny_model_dir, capsys, fmt):
     path, marker = _planted(tmp_path, tiny_model_dir)
     out = tmp_path / "out"
-    assert export_main(["--ckpt", path, "--out", str(out), "--format", fmt]) == 2
+    assert export_main(["--ckpt_path", path, "--out", str(out), "--format", fmt]) == 2
     _one_line(capsys.readouterr().err, path)
     assert not os.path.exists(marker) and not out.exists()
 
 
 def test_export_runs_a_trusted_pickle_only_when_told_to(tmp_path, tiny_model_dir):
     path, marker = _planted(tmp_path, tiny_model_dir)
-    assert export_main(["--ckpt", path, "--out", str(tmp_path / "out"), "--weights_only", "false"]) == 0
+    assert export_main(["--ckpt_path", path, "--out", str(tmp_path / "out"), "--weights_only", "false"]) == 0
     assert os.path.exists(marker)  # what the flag means: the file's code ran
 
 
@@ -173,7 +173,7 @@ def test_trust_remote_code_is_never_taken_from_a_file(tmp_path, tiny_model_dir):
     from qat_app.export.layout import LAYOUT_FILE
 
     out = tmp_path / "h8"
-    assert export_main(["--ckpt", path, "--out", str(out)]) == 0
+    assert export_main(["--ckpt_path", path, "--out", str(out)]) == 0
     layout = json.loads((out / LAYOUT_FILE).read_text())
     layout["trust_remote_code"] = True
     (out / LAYOUT_FILE).write_text(json.dumps(layout))

@@ -65,9 +65,9 @@ temporary sibling directory and rename it into place.
 
 CLI (a Lightning checkpoint of ``QATModule``; ``python main.py export`` is the same)::
 
-    python -m qat_app.export --ckpt runs/quickstart/checkpoints/last.ckpt --out exports/qs-hif8
-    python -m qat_app.export --ckpt ... --out exports/qs-hf --format hf [--hf-weights quantized]
-    python -m qat_app.export --ckpt ... --out exports/qs-fp8 --format compressed-tensors [--compare --config RUN.yaml]
+    python -m qat_app.export --ckpt_path runs/quickstart/checkpoints/last.ckpt --out exports/qs-hif8
+    python -m qat_app.export --ckpt_path ... --out exports/qs-hf --format hf [--hf-weights quantized]
+    python -m qat_app.export --ckpt_path ... --out exports/qs-fp8 --format compressed-tensors [--compare --config RUN.yaml]
 
 Modules: :mod:`.layout` (file names, tensor roles, reading and checking a layout), :mod:`.writer`
 (:func:`export_hif8`), :mod:`.reader` (:func:`load_hif8`, :class:`HiF8ExportedLinear`), :mod:`.hf`

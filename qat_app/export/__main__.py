@@ -1,4 +1,4 @@
-"""``python -m qat_app.export --ckpt CKPT --out DIR [--format hif8|hf] ...`` (the same as ``python main.py export``)."""
+"""``python -m qat_app.export --ckpt_path CKPT --out DIR [--format hif8|hf] ...`` (the same as ``python main.py export``)."""
 
 import sys
 

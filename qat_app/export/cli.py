@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli_errors import ProgramParser, unknown_flags_line
 from ..errors import QATError
 from ..hif8.inventory import INVENTORY_FILE, inventory_summary
 from .compressed import DEFAULT_SERVE_TARGET, FORMAT_NAME, SERVE_TARGETS, export_compressed_tensors, summary_line
@@ -26,12 +27,27 @@ from .writer import export_hif8
 
 def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") -> int:
     """CLI; returns the exit status (2, with one ``error: ...`` line, for bad input)."""
-    parser = argparse.ArgumentParser(
+    parser = export_parser(prog)
+    args, lightning_args = parser.parse_known_args(argv)
+    check_arguments(parser, args, lightning_args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        run_export(args, lightning_args)
+    except (QATError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def export_parser(prog: str) -> ProgramParser:
+    """The flags of ``export`` (``--ckpt`` is still read as ``--ckpt_path``, with a deprecation line)."""
+    parser = ProgramParser(
         prog=prog,
         description="Export a QATModule Lightning checkpoint as an 8-bit HiF8 checkpoint, a plain HF directory, or an "
                     "FP8 compressed-tensors checkpoint for vLLM.",
     )
-    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt) of a QATModule")
+    parser.add_argument("--ckpt_path", required=True, metavar="FILE", help="Lightning checkpoint (.ckpt) of a QATModule "
+                        "(also --ckpt, deprecated)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--format", choices=("hif8", "hf", FORMAT_NAME), default="hif8",
                         help="hif8: the 8-bit HiF8 checkpoint (exact reloads); hf: plain Hugging Face; "
@@ -66,55 +82,58 @@ def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") 
     parser.add_argument("--compare-dtype", default="float32", metavar="DTYPE",
                         help="--compare: the dtype the served side runs in (default float32: the stored tensors and "
                              "the FP8 numerics alone; bfloat16: activations rounded as vLLM serves them)")
-    args, lightning_args = parser.parse_known_args(argv)
+    return parser
+
+
+def check_arguments(parser: ProgramParser, args: argparse.Namespace, lightning_args: list[str]) -> None:
+    """Flags that contradict each other, before anything is read (``parser.error`` exits with status 2)."""
     if lightning_args and not args.compare:
-        parser.error(f"unrecognized arguments: {' '.join(lightning_args)} (LightningCLI flags are read with --compare)")
+        line = unknown_flags_line(lightning_args, parser)
+        parser.error(line if "did you mean" in line else line + " (LightningCLI flags are read with --compare)")
     if args.serve_target != DEFAULT_SERVE_TARGET and args.format != FORMAT_NAME:
         parser.error(f"--serve-target: only with --format {FORMAT_NAME}")
     if args.compare and args.format != FORMAT_NAME:
         parser.error(f"--compare: only with --format {FORMAT_NAME}")
     if args.compare_batches < 1:
         parser.error(f"--compare-batches: must be >= 1, got {args.compare_batches}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        from qat_app.models import resolve_dtype
 
-        for flag, value in (("--dtype", args.dtype), ("--compute-dtype", args.compute_dtype),
-                            ("--compare-dtype", args.compare_dtype)):
-            if value is not None:
-                resolve_dtype(value, field=flag)
-        if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
-            raise FileExistsError(f"{args.out} already exists and is not empty; pass --overwrite to replace it")
-        module = load_qat_checkpoint(args.ckpt, weights_only=args.weights_only, trust_remote_code=args.trust_remote_code)
-        storage, why = run_dtype(module)
-        if args.format != "hf":
-            _say_storage(args.dtype, storage, why)
-        if args.format == "hif8":
-            layout = export_hif8(module, args.out, dtype=args.dtype or storage, compute_dtype=args.compute_dtype,
-                                 overwrite=args.overwrite)
-            print(f"wrote {args.out}: {len(layout['quantized_layers'])} HiF8 layers, "
-                  f"{layout['weights_file_bytes'] / 2**20:.1f} MiB ({layout['bytes']['codes'] / 2**20:.1f} MiB of codes)")
-        elif args.format == "hf":
-            export_hf(module, args.out, weights=args.hf_weights, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                      overwrite=args.overwrite)
-            print(f"wrote {args.out}: {checkpoint_bytes(args.out) / 2**20:.1f} MiB")
-        else:
-            device = _compare_device(args.compare_device) if args.compare else None
-            datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
-            report = export_compressed_tensors(module, args.out, dtype=args.dtype or storage,
-                                               compute_dtype=args.compute_dtype, overwrite=args.overwrite,
-                                               serve_target=args.serve_target)
-            print(summary_line(args.out, report))
-            if datamodule is not None:
-                _compare(module, args.out, datamodule, args.compare_batches, device,
-                         resolve_dtype(args.compare_dtype, field="--compare-dtype"), run_floor(lightning_args))
-        inventory = Path(args.out) / INVENTORY_FILE
-        if inventory.is_file():
-            print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
-    except (QATError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+def run_export(args: argparse.Namespace, lightning_args: list[str]) -> None:
+    """Load the checkpoint and write the asked format, then one line on what was quantized."""
+    from qat_app.models import resolve_dtype
+
+    for flag, value in (("--dtype", args.dtype), ("--compute-dtype", args.compute_dtype),
+                        ("--compare-dtype", args.compare_dtype)):
+        if value is not None:
+            resolve_dtype(value, field=flag)
+    if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
+        raise FileExistsError(f"{args.out} already exists and is not empty; pass --overwrite to replace it")
+    module = load_qat_checkpoint(args.ckpt_path, weights_only=args.weights_only, trust_remote_code=args.trust_remote_code)
+    storage, why = run_dtype(module)
+    if args.format != "hf":
+        _say_storage(args.dtype, storage, why)
+    if args.format == "hif8":
+        layout = export_hif8(module, args.out, dtype=args.dtype or storage, compute_dtype=args.compute_dtype,
+                             overwrite=args.overwrite)
+        print(f"wrote {args.out}: {len(layout['quantized_layers'])} HiF8 layers, "
+              f"{layout['weights_file_bytes'] / 2**20:.1f} MiB ({layout['bytes']['codes'] / 2**20:.1f} MiB of codes)")
+    elif args.format == "hf":
+        export_hf(module, args.out, weights=args.hf_weights, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                  overwrite=args.overwrite)
+        print(f"wrote {args.out}: {checkpoint_bytes(args.out) / 2**20:.1f} MiB")
+    else:
+        device = _compare_device(args.compare_device) if args.compare else None
+        datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
+        report = export_compressed_tensors(module, args.out, dtype=args.dtype or storage,
+                                           compute_dtype=args.compute_dtype, overwrite=args.overwrite,
+                                           serve_target=args.serve_target)
+        print(summary_line(args.out, report))
+        if datamodule is not None:
+            _compare(module, args.out, datamodule, args.compare_batches, device,
+                     resolve_dtype(args.compare_dtype, field="--compare-dtype"), run_floor(lightning_args))
+    inventory = Path(args.out) / INVENTORY_FILE
+    if inventory.is_file():
+        print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
 
 
 def _say_storage(asked: str | None, storage: str, why: str) -> None:

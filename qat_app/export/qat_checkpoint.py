@@ -25,7 +25,7 @@ def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trus
 
     path = str(path)
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {path} does not exist (--ckpt)")
+        raise CheckpointError(f"checkpoint {path} does not exist (--ckpt_path)")
     ckpt = load_checkpoint_file(path, weights_only=weights_only)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")

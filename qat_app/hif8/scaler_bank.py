@@ -29,14 +29,15 @@ import math
 
 import torch
 import torch.distributed as dist
-
-from typing import TYPE_CHECKING
+from torch import nn
 
 from .fake_quant import compute_scale
 from .health import DELAYED_ALGOS, WHATIF_ALGOS
 
-if TYPE_CHECKING:  # the scaler imports the bank (its advance is a bank of one)
-    from .scaling import AmaxScaler
+# A scaler as the bank sees it: a module holding the buffers named in the rows below and the recipe's attributes
+# (algo, history_len, alpha, margin, power_2, max_val). The bank never imports AmaxScaler: the import goes one way,
+# scaling -> scaler_bank (a scaler's own advance is a bank of one).
+Scaler = nn.Module
 
 # Row order matters: the step accumulators come first in each matrix, so one slice zeroes them.
 F32_ROWS = ("step_amax", "step_seen", "step_clipped_anywhere", "a_hat", "scale", "last_amax", "last_a_hat",
@@ -71,7 +72,7 @@ class ScalerBank:
     (``max_val / a_hat`` with a Python scalar is ``reciprocal(a_hat) * max_val`` in torch).
     """
 
-    def __init__(self, scalers: list[AmaxScaler]) -> None:
+    def __init__(self, scalers: list[Scaler]) -> None:
         first = scalers[0]
         self.algo, self.history_len, self.alpha, self.margin = first.algo, first.history_len, first.alpha, first.margin
         self.power_2 = first.power_2
@@ -104,7 +105,7 @@ class ScalerBank:
     def row(self, name: str) -> torch.Tensor:
         return self.f32[_F[name]] if name in _F else self.i64[_I[name]]
 
-    def intact(self, scalers: list[AmaxScaler]) -> bool:
+    def intact(self, scalers: list[Scaler]) -> bool:
         """Still the views of these scalers (no ``.to()`` / ``load`` replaced a buffer since)."""
         return len(scalers) == len(self.scalers) and all(
             a is b and a._buffers["amax_history"]._base is self.history for a, b in zip(scalers, self.scalers))
@@ -230,9 +231,9 @@ class ScalerBank:
             scaler.__dict__["version"] += 1
 
 
-def banks(scalers: list[AmaxScaler]) -> list[ScalerBank]:
+def banks(scalers: list[Scaler]) -> list[ScalerBank]:
     """The stacked banks of ``scalers`` (one per algorithm/window/alpha/max_val/margin/device), reused while intact."""
-    groups: dict[tuple, list[AmaxScaler]] = {}
+    groups: dict[tuple, list[Scaler]] = {}
     for s in scalers:
         key = (s.algo, s.history_len, s.alpha, s.max_val, s.margin, s.power_2, s._buffers["amax_history"].device)
         groups.setdefault(key, []).append(s)
@@ -246,7 +247,7 @@ def banks(scalers: list[AmaxScaler]) -> list[ScalerBank]:
 
 
 @torch.no_grad()
-def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor | None = None) -> torch.Tensor | None:
+def sync_step_amax(scalers: list[Scaler], group=None, bad_step: torch.Tensor | None = None) -> torch.Tensor | None:
     """Make every data-parallel rank hold the same step amax: one MAX all-reduce on one flat buffer.
 
     The buffer holds ``[step_amax, step_seen, step_clipped > 0, step_whatif_clipped > 0]`` of every scaler
@@ -283,19 +284,19 @@ def sync_step_amax(scalers: list[AmaxScaler], group=None, bad_step: torch.Tensor
     return None if bad_step is None else flat[-1].to(bad_step.device) > 0
 
 
-def advance_all(scalers: list[AmaxScaler]) -> None:
+def advance_all(scalers: list[Scaler]) -> None:
     """Close one optimizer step for every scaler (after :func:`sync_step_amax`): batched."""
     for bank in banks(scalers):
         bank.advance()
 
 
-def discard_all(scalers: list[AmaxScaler]) -> None:
+def discard_all(scalers: list[Scaler]) -> None:
     """Forget the step's observations of every scaler (a skipped step): batched."""
     for bank in banks(scalers):
         bank.discard()
 
 
-def seed_all(scalers: list[AmaxScaler]) -> None:
+def seed_all(scalers: list[Scaler]) -> None:
     """:meth:`AmaxScaler.seed_history` for every scaler: batched."""
     for bank in banks(scalers):
         bank.seed_history()

@@ -7,13 +7,29 @@ import logging
 import sys
 
 from .. import stats
+from ..cli_errors import ProgramParser
 from .build import build_report
 from .runs import ReportError
 
 
 def main(argv: list[str] | None = None, prog: str = "python main.py report") -> int:
     """CLI; bad input exits with a message naming the file (SystemExit), success returns 0."""
-    parser = argparse.ArgumentParser(
+    args = report_parser(prog).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        report = build_report(args.baseline, args.qat, args.out, args.labels, args.layers, args.benchmarks,
+                              args.ape_from_step, args.initial, args.force, args.resamples, args.seed)
+    except (ReportError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report["markdown"])
+    print(f"wrote {', '.join(report['files'])} to {args.out}")
+    return 0
+
+
+def report_parser(prog: str) -> ProgramParser:
+    """The flags of ``report``."""
+    parser = ProgramParser(
         prog=prog,
         description="Paper-style table (initial / baseline / QAT with paired CIs, training-loss APE, saturation) and figures.",
     )
@@ -30,14 +46,4 @@ def main(argv: list[str] | None = None, prog: str = "python main.py report") -> 
     parser.add_argument("--force", action="store_true", help="report runs whose configs or steps do not match (with a warning)")
     parser.add_argument("--resamples", type=int, default=stats.DEFAULT_RESAMPLES, help="bootstrap resamples (default 10000)")
     parser.add_argument("--seed", type=int, default=stats.DEFAULT_SEED, help="bootstrap seed (default 0)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        report = build_report(args.baseline, args.qat, args.out, args.labels, args.layers, args.benchmarks,
-                              args.ape_from_step, args.initial, args.force, args.resamples, args.seed)
-    except (ReportError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(report["markdown"])
-    print(f"wrote {', '.join(report['files'])} to {args.out}")
-    return 0
+    return parser
