@@ -52,6 +52,39 @@ class NonFiniteStepError(QATError, RuntimeError):
     exit_code = 1
 
 
+def _check_training_settings(lr: float, lr_schedule: str, min_lr_ratio: float, lr_warmup_steps: int,
+                             max_consecutive_nonfinite: int) -> None:
+    """Refuse an optimizer / schedule setting that cannot train (:class:`ConfigError` naming the ``model.*`` flag)
+    before the model is loaded."""
+    if not lr > 0:
+        raise ConfigError(f"model.lr: must be > 0, got {lr}")
+    if lr_schedule not in ("cosine", "constant"):
+        raise ConfigError(f"model.lr_schedule: unknown schedule {lr_schedule!r}; allowed: cosine, constant")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ConfigError(f"model.min_lr_ratio: must be in [0, 1], got {min_lr_ratio}")
+    if lr_warmup_steps < 0:
+        raise ConfigError(f"model.lr_warmup_steps: must be >= 0, got {lr_warmup_steps}")
+    if not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
+        raise ConfigError(f"model.max_consecutive_nonfinite: must be an integer >= 1, got {max_consecutive_nonfinite!r}")
+
+
+def _quantize(model, quant: QuantConfig) -> QuantReport:
+    """Convert ``model``'s selected linears to HiF8 (logging what was converted); refuses a selection that matches
+    no linear layer, which would train unquantized."""
+    report = quantize_model(model, quant)
+    if report.num_linears == 0:
+        blocks = report.num_blocks
+        quantized = quantized_block_range(blocks, quant.high_precision_layers)  # the core's boundary rule
+        raise QuantConfigError(
+            f"quant.module_pattern {quant.module_pattern!r} matches no linear layer inside the quantized blocks "
+            f"(quant.high_precision_layers={quant.high_precision_layers} keeps the first "
+            f"{quantized.start} and last {blocks - quantized.stop} of "
+            f"{blocks} blocks in high precision): nothing would be quantized"
+        )
+    log.info(report.summary())
+    return report
+
+
 class QATModule(L.LightningModule):
     """HiF8 W8A8 QAT of a Hugging Face causal LM.
 
@@ -90,16 +123,7 @@ class QATModule(L.LightningModule):
         gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        if not lr > 0:
-            raise ConfigError(f"model.lr: must be > 0, got {lr}")
-        if lr_schedule not in ("cosine", "constant"):
-            raise ConfigError(f"model.lr_schedule: unknown schedule {lr_schedule!r}; allowed: cosine, constant")
-        if not 0.0 <= min_lr_ratio <= 1.0:
-            raise ConfigError(f"model.min_lr_ratio: must be in [0, 1], got {min_lr_ratio}")
-        if lr_warmup_steps < 0:
-            raise ConfigError(f"model.lr_warmup_steps: must be >= 0, got {lr_warmup_steps}")
-        if not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
-            raise ConfigError(f"model.max_consecutive_nonfinite: must be an integer >= 1, got {max_consecutive_nonfinite!r}")
+        _check_training_settings(lr, lr_schedule, min_lr_ratio, lr_warmup_steps, max_consecutive_nonfinite)
         self.quant = quant = QuantConfig.coerce(quant)  # a checkpoint's hyper-parameters hold a plain dict
         # save_hyperparameters reads the constructor's arguments from its locals: the checkpoint (and the
         # loggers) get the settings as plain values, so no class of ours is pickled into a checkpoint
@@ -112,18 +136,7 @@ class QATModule(L.LightningModule):
         self.model.train()  # transformers returns eval mode; Lightning keeps module modes as it finds them
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.quant_report: QuantReport | None = quantize_model(self.model, quant) if quant.enabled else None
-        if self.quant_report is not None:
-            if self.quant_report.num_linears == 0:
-                blocks = self.quant_report.num_blocks
-                quantized = quantized_block_range(blocks, quant.high_precision_layers)  # the core's boundary rule
-                raise QuantConfigError(
-                    f"quant.module_pattern {quant.module_pattern!r} matches no linear layer inside the quantized blocks "
-                    f"(quant.high_precision_layers={quant.high_precision_layers} keeps the first "
-                    f"{quantized.start} and last {blocks - quantized.stop} of "
-                    f"{blocks} blocks in high precision): nothing would be quantized"
-                )
-            log.info(self.quant_report.summary())
+        self.quant_report: QuantReport | None = _quantize(self.model, quant) if quant.enabled else None
         self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
         self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
         self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step

@@ -44,6 +44,32 @@ from qat_app.errors import ConfigError
 from qat_app.models import EMBEDDED_MODEL, load_tokenizer
 
 
+def _check_settings(*, seq_len, micro_batch_size, doc_batch_size, num_workers, val_documents, shuffle_buffer,
+                    max_documents, text_sample_by, global_batch_size, dataset, data_files) -> None:
+    """Refuse a setting the loaders cannot use (:class:`ConfigError` naming the ``data.*`` flag) at construction,
+    before anything is downloaded or tokenised."""
+    for name, v, lo in (
+        ("seq_len", seq_len, 2),
+        ("micro_batch_size", micro_batch_size, 1),
+        ("doc_batch_size", doc_batch_size, 1),
+    ):
+        if not isinstance(v, int) or v < lo:
+            raise ConfigError(f"data.{name} must be an integer >= {lo}, got {v!r}")
+    for name, v in (("num_workers", num_workers), ("val_documents", val_documents), ("shuffle_buffer", shuffle_buffer)):
+        if not isinstance(v, int) or v < 0:
+            raise ConfigError(f"data.{name} must be a non-negative integer, got {v!r}")
+    if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
+        raise ConfigError(f"data.max_documents must be a positive integer or None, got {max_documents!r}")
+    if text_sample_by not in ("paragraph", "line", "document"):
+        raise ConfigError(f"data.text_sample_by must be paragraph/line/document, got {text_sample_by!r}")
+    if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
+        raise ConfigError(f"data.global_batch_size must be a positive integer or None, got {global_batch_size!r}")
+    if data_files is None and not dataset:
+        raise ConfigError("set data.dataset (a hub dataset or 'embedded:boolq-passages') or data.data_files")
+    if dataset and dataset.startswith("embedded:") and dataset != EMBEDDED_BOOLQ and data_files is None:
+        raise ConfigError(f"data.dataset: unknown embedded dataset {dataset!r}; known: {EMBEDDED_BOOLQ!r}")
+
+
 class PretrainDataModule(L.LightningDataModule):
     """Packed continued-pretraining data (see the module docstrings of :mod:`qat_app.data` for sources,
     sharding, packing, resume).
@@ -111,26 +137,10 @@ class PretrainDataModule(L.LightningDataModule):
             self.save_hyperparameters(ignore=["benchmarks"])
         else:
             self.save_hyperparameters(ignore=["tokenizer", "benchmarks"])
-        for name, v, lo in (
-            ("seq_len", seq_len, 2),
-            ("micro_batch_size", micro_batch_size, 1),
-            ("doc_batch_size", doc_batch_size, 1),
-        ):
-            if not isinstance(v, int) or v < lo:
-                raise ConfigError(f"data.{name} must be an integer >= {lo}, got {v!r}")
-        for name, v in (("num_workers", num_workers), ("val_documents", val_documents), ("shuffle_buffer", shuffle_buffer)):
-            if not isinstance(v, int) or v < 0:
-                raise ConfigError(f"data.{name} must be a non-negative integer, got {v!r}")
-        if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
-            raise ConfigError(f"data.max_documents must be a positive integer or None, got {max_documents!r}")
-        if text_sample_by not in ("paragraph", "line", "document"):
-            raise ConfigError(f"data.text_sample_by must be paragraph/line/document, got {text_sample_by!r}")
-        if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
-            raise ConfigError(f"data.global_batch_size must be a positive integer or None, got {global_batch_size!r}")
-        if data_files is None and not dataset:
-            raise ConfigError("set data.dataset (a hub dataset or 'embedded:boolq-passages') or data.data_files")
-        if dataset and dataset.startswith("embedded:") and dataset != EMBEDDED_BOOLQ and data_files is None:
-            raise ConfigError(f"data.dataset: unknown embedded dataset {dataset!r}; known: {EMBEDDED_BOOLQ!r}")
+        _check_settings(seq_len=seq_len, micro_batch_size=micro_batch_size, doc_batch_size=doc_batch_size,
+                        num_workers=num_workers, val_documents=val_documents, shuffle_buffer=shuffle_buffer,
+                        max_documents=max_documents, text_sample_by=text_sample_by,
+                        global_batch_size=global_batch_size, dataset=dataset, data_files=data_files)
         self.tokenizer_spec = tokenizer
         self.dataset, self.dataset_config, self.split = dataset, dataset_config, split
         self.data_files = data_files

@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch import nn
 from ..config import QuantConfig
 from ..hif8.inventory import INVENTORY_FILE, quantization_inventory
 from ..hif8.linear import HiF8Linear
+from ..models import resolve_dtype
 from .layout import ExportError
 
 log = logging.getLogger("qat_app.export")
@@ -37,6 +38,27 @@ def unwrap(module_or_model) -> tuple[nn.Module, Any, dict]:
     raise TypeError(
         f"expected a QATModule or a Hugging Face model, got {type(module_or_model).__name__}"
     )
+
+
+class ExportSource(NamedTuple):
+    """What an export writes from: the HF model, the tokenizer saved with it, the run's info and the dtypes."""
+
+    model: nn.Module
+    tokenizer: Any
+    info: dict
+    storage_dtype: torch.dtype
+    compute_dtype: torch.dtype | None  # None: each quantized layer's weight dtype
+
+
+def export_source(module_or_model, tokenizer, dtype: str | torch.dtype, compute_dtype: str | torch.dtype | None, *,
+                  dtype_field: str = "model.dtype", compute_dtype_field: str = "model.dtype") -> ExportSource:
+    """The arguments an 8-bit export shares, checked: the model behind ``module_or_model``, ``tokenizer`` (default:
+    the QATModule's own), ``dtype`` and ``compute_dtype`` resolved (an error names ``*_field``)."""
+    model, module_tokenizer, info = unwrap(module_or_model)
+    tokenizer = tokenizer if tokenizer is not None else module_tokenizer
+    storage_dtype = resolve_dtype(dtype, field=dtype_field)
+    cdtype = resolve_dtype(compute_dtype, field=compute_dtype_field) if compute_dtype is not None else None
+    return ExportSource(model, tokenizer, info, storage_dtype, cdtype)
 
 
 def quant_of(model: nn.Module, layers: list[tuple[str, HiF8Linear]]) -> QuantConfig:

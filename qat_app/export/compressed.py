@@ -66,8 +66,7 @@ from ..hif8.fake_quant import dequantize_codes
 from ..hif8.fp8_gemm import E4M3_MAX, e4m3_decode_scale, grid_to_e4m3, shift_for
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import dequantize_model, quantized_linears
-from ..models import resolve_dtype
-from .common import StagingDir, save_inventory, unwrap
+from .common import StagingDir, export_source, save_inventory
 from .hf import set_quantized_weights
 from .layout import ExportError, checkpoint_bytes, dtype_name
 from .writer import quantize_weight, why_dense
@@ -153,7 +152,7 @@ def _scheme_of(name: str, layer: HiF8Linear, target: str) -> tuple[str | None, s
     if not scaler.has_history:
         raise ExportError(
             f"{name}: its input scaler has no amax history (steps_recorded 0): there is no trained activation scale "
-            "to export; export a checkpoint saved after the first QAT step (--ckpt)")
+            "to export; export a checkpoint saved after the first QAT step (--ckpt_path)")
     return STATIC, "static activation scale from the trained amax history"
 
 
@@ -309,6 +308,92 @@ def _bf16_bytes(model: nn.Module) -> int:
     return total
 
 
+def _servable_plan(model: nn.Module, serve_target: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """:func:`plan_layers` and the MoE experts modules (kept in ``dtype``) -> (schemes, ignored, experts); refuses
+    (saying what to use instead) a model of which no layer can be written in FP8 for ``serve_target``."""
+    if not quantized_linears(model):
+        raise ExportError(f"{type(model).__name__} has no HiF8 layer (model.quant.enabled=false?): nothing to serve "
+                          "in FP8; use --format hf")
+    schemes, ignored = plan_layers(model, serve_target)
+    experts = [name for name, m in model.named_modules() if isinstance(m, HiF8Experts)]
+    if not schemes and experts:
+        raise ExportError(f"the only quantized modules are MoE experts ({experts[0]} ...), which this format cannot hold in "
+                          f"FP8 ({EXPERTS_WHY}); use --format hif8 for their 8-bit weights")
+    if not schemes and not any(layer.quantize_weights for _, layer in quantized_linears(model)):
+        raise ExportError("no layer's weight is quantized in this checkpoint (saved inside the BF16 warmup?), so "
+                          f"there is nothing to write in FP8: {next(iter(ignored.values()), '')}")
+    if not schemes:
+        raise ExportError(f"--serve-target {serve_target}: no layer of this checkpoint can be served in FP8 that "
+                          f"way: {next(iter(ignored.values()), '')}")
+    return schemes, ignored, experts
+
+
+def _fp8_layers(schemes: dict[str, str], modules: dict[str, nn.Module], cdtype: torch.dtype | None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, dict]]:
+    """The FP8 tensors of every planned layer (weight, scale, a static scheme's input scale) -> (tensors, the
+    report's per-layer records, what :func:`_check_written` compares the written weights with)."""
+    tensors: dict[str, torch.Tensor] = {}
+    records: dict[str, dict] = {}
+    checks: dict[str, dict] = {}
+    for name, scheme in schemes.items():
+        layer = modules[name]
+        written, check = _fp8_weight(name, layer, cdtype or layer.weight.dtype)
+        tensors.update(written)
+        checks[name] = check
+        records[name] = {"scheme": scheme, **check["record"]}
+        if scheme == STATIC:
+            scaler = layer.input_scaler
+            tensors[f"{name}.input_scale"] = _input_scale(layer)
+            records[name]["input"] = {
+                "a_hat": float(scaler.a_hat), "hif8_scale": float(scaler.scale),
+                "input_scale": float(tensors[f"{name}.input_scale"]),
+                "trained_clip": float(scaler.max_val / scaler.scale),  # |x| HiF8 clipped at
+                "served_clip": float(E4M3_MAX * tensors[f"{name}.input_scale"]),  # |x| E4M3 clips at
+            }
+    return tensors, records, checks
+
+
+def _dequantized_copy(model: nn.Module, cdtype: torch.dtype | None, storage_dtype: torch.dtype) -> nn.Module:
+    """A plain copy of ``model`` in ``storage_dtype`` (the given model is not modified): what is saved around the
+    FP8 tensors, every other weight as the QAT forward used it."""
+    plain = copy.deepcopy(model)
+    set_quantized_weights(plain, cdtype)
+    dequantize_model(plain)
+    plain.to(storage_dtype).eval()
+    return plain
+
+
+def _report(*, info: dict, qat_format: str, serve_target: str, storage_dtype: torch.dtype, schemes: dict[str, str],
+            records: dict, ignored: dict, equalized: list[dict], sizes: dict[str, int]) -> dict:
+    """``fp8_export.json``: the scheme of each FP8 layer and its figures, what is kept in ``dtype`` and why, sizes."""
+    return {
+        "format": REPORT_FORMAT,
+        "version": 1,
+        "exported_by": "qat_app.export.export_compressed_tensors",
+        "source": info.get("model_name"),
+        "qat_format": qat_format,
+        "serve_target": {"name": serve_target, "weights": "E4M3, one scale per output channel (exact HiF8 "
+                         "values above the floor, fused gate/up included)", **SERVE_TARGETS[serve_target],
+                         "alternatives": {name: target["cost"] for name, target in SERVE_TARGETS.items()
+                                          if name != serve_target}},
+        "storage_dtype": dtype_name(storage_dtype),
+        "floor": "E4M3 rounds the grid values below 2^-12 x 16 of a range of 15 (HiF8's denormals and the 1-bit "
+                 "tier under them); every value above is written exactly",
+        "dequantized_tolerance": DEQUANT_TOLERANCE,
+        "layers": records,
+        "ignored": dict(sorted(ignored.items())),
+        "fused_input_scales_equalized": equalized,
+        "totals": {
+            "fp8_layers": len(schemes),
+            "fp8_elements": sum(r["elements"] for r in records.values()),
+            "below_floor": sum(r["below_floor"] for r in records.values()),
+            "max_error_below_floor": max((r["max_error_below_floor"] for r in records.values()), default=0.0),
+            "schemes": {kind: sum(1 for s in schemes.values() if s == kind) for kind in (STATIC, DYNAMIC, WEIGHT_ONLY)},
+        },
+        "bytes": sizes,
+    }
+
+
 def export_compressed_tensors(
     module_or_model,
     out_dir: str | os.PathLike,
@@ -330,51 +415,16 @@ def export_compressed_tensors(
         serve_target: the activation layout (:data:`SERVE_TARGETS`): ``any`` (dynamic per-token input scales, what
             vLLM serves on the CPU and on CUDA) or ``cuda`` (the trained static input scales; vLLM's CUDA kernels).
     """
-    model, module_tokenizer, info = unwrap(module_or_model)
-    tokenizer = tokenizer if tokenizer is not None else module_tokenizer
-    storage_dtype = resolve_dtype(dtype, field="--dtype")
-    cdtype = resolve_dtype(compute_dtype, field="--compute-dtype") if compute_dtype is not None else None
-    if not quantized_linears(model):
-        raise ExportError(f"{type(model).__name__} has no HiF8 layer (model.quant.enabled=false?): nothing to serve "
-                          "in FP8; use --format hf")
-    schemes, ignored = plan_layers(model, serve_target)
-    experts = [name for name, m in model.named_modules() if isinstance(m, HiF8Experts)]
-    if not schemes and experts:
-        raise ExportError(f"the only quantized modules are MoE experts ({experts[0]} ...), which this format cannot hold in "
-                          f"FP8 ({EXPERTS_WHY}); use --format hif8 for their 8-bit weights")
-    if not schemes and not any(layer.quantize_weights for _, layer in quantized_linears(model)):
-        raise ExportError("no layer's weight is quantized in this checkpoint (saved inside the BF16 warmup?), so "
-                          f"there is nothing to write in FP8: {next(iter(ignored.values()), '')}")
-    if not schemes:
-        raise ExportError(f"--serve-target {serve_target}: no layer of this checkpoint can be served in FP8 that "
-                          f"way: {next(iter(ignored.values()), '')}")
+    model, tokenizer, info, storage_dtype, cdtype = export_source(
+        module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype", compute_dtype_field="--compute-dtype")
+    schemes, ignored, experts = _servable_plan(model, serve_target)
     staging = StagingDir(out_dir, overwrite, REPORT_FILE)  # refuse an existing run / export before any work
 
     modules = dict(model.named_modules())
-    tensors: dict[str, torch.Tensor] = {}
-    records: dict[str, dict] = {}
-    checks: dict[str, dict] = {}
-    for name, scheme in schemes.items():
-        layer = modules[name]
-        written, check = _fp8_weight(name, layer, cdtype or layer.weight.dtype)
-        tensors.update(written)
-        checks[name] = check
-        records[name] = {"scheme": scheme, **check["record"]}
-        if scheme == STATIC:
-            scaler = layer.input_scaler
-            tensors[f"{name}.input_scale"] = _input_scale(layer)
-            records[name]["input"] = {
-                "a_hat": float(scaler.a_hat), "hif8_scale": float(scaler.scale),
-                "input_scale": float(tensors[f"{name}.input_scale"]),
-                "trained_clip": float(scaler.max_val / scaler.scale),  # |x| HiF8 clipped at
-                "served_clip": float(E4M3_MAX * tensors[f"{name}.input_scale"]),  # |x| E4M3 clips at
-            }
+    tensors, records, checks = _fp8_layers(schemes, modules, cdtype)
     equalized = _equalize_fused_inputs(schemes, tensors, records)
 
-    plain = copy.deepcopy(model)
-    set_quantized_weights(plain, cdtype)  # every other weight as the QAT forward used it
-    dequantize_model(plain)
-    plain.to(storage_dtype).eval()
+    plain = _dequantized_copy(model, cdtype, storage_dtype)
     for name in experts:
         ignored[name] = f"MoE experts: {EXPERTS_WHY}"
     ignore = sorted(set(_linear_names(plain)) - set(schemes)) + experts
@@ -391,32 +441,10 @@ def export_compressed_tensors(
         measured = _check_written(tmp, checks)
         for name, values in measured.items():
             records[name].update(values)
-        report = {
-            "format": REPORT_FORMAT,
-            "version": 1,
-            "exported_by": "qat_app.export.export_compressed_tensors",
-            "source": info.get("model_name"),
-            "qat_format": next(iter(modules[n] for n in schemes)).recipe.format,
-            "serve_target": {"name": serve_target, "weights": "E4M3, one scale per output channel (exact HiF8 "
-                             "values above the floor, fused gate/up included)", **SERVE_TARGETS[serve_target],
-                             "alternatives": {name: target["cost"] for name, target in SERVE_TARGETS.items()
-                                              if name != serve_target}},
-            "storage_dtype": dtype_name(storage_dtype),
-            "floor": "E4M3 rounds the grid values below 2^-12 x 16 of a range of 15 (HiF8's denormals and the 1-bit "
-                     "tier under them); every value above is written exactly",
-            "dequantized_tolerance": DEQUANT_TOLERANCE,
-            "layers": records,
-            "ignored": dict(sorted(ignored.items())),
-            "fused_input_scales_equalized": equalized,
-            "totals": {
-                "fp8_layers": len(schemes),
-                "fp8_elements": sum(r["elements"] for r in records.values()),
-                "below_floor": sum(r["below_floor"] for r in records.values()),
-                "max_error_below_floor": max((r["max_error_below_floor"] for r in records.values()), default=0.0),
-                "schemes": {kind: sum(1 for s in schemes.values() if s == kind) for kind in (STATIC, DYNAMIC, WEIGHT_ONLY)},
-            },
-            "bytes": {"weights": checkpoint_bytes(tmp), "bf16_weights": _bf16_bytes(plain)},
-        }
+        report = _report(info=info, qat_format=next(iter(modules[n] for n in schemes)).recipe.format,
+                         serve_target=serve_target, storage_dtype=storage_dtype, schemes=schemes, records=records,
+                         ignored=ignored, equalized=equalized,
+                         sizes={"weights": checkpoint_bytes(tmp), "bf16_weights": _bf16_bytes(plain)})
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
     log.info("FP8 export: %d linears in E4M3 (%d elements below the floor), %d kept in %s, in %s", len(schemes),
              report["totals"]["below_floor"], len(ignore), dtype_name(storage_dtype), out_dir)

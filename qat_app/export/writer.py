@@ -16,8 +16,7 @@ from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import quantized_linears
-from ..models import resolve_dtype
-from .common import StagingDir, quant_of, same, save_inventory, save_model_files, unwrap
+from .common import StagingDir, export_source, quant_of, same, save_inventory, save_model_files
 from .layout import (LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE, ROLE_OTHER,
                      ROLE_SCALE, ROLE_SCALER, SCALER_NAMES, WEIGHTS_FILE, ExportError, dtype_name)
 
@@ -230,6 +229,33 @@ def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, *, 
     }
 
 
+def _add_model_tensors(out: _Tensors, model: nn.Module, layers: list, state: dict, cdtype: torch.dtype | None,
+                       storage_dtype: torch.dtype) -> tuple[dict[str, dict], dict[str, dict], dict[str, str], bool]:
+    """Every tensor of ``model`` into ``out``: the quantized linears and experts modules as codes, then the rest of
+    the state and the non-persistent buffers -> (quantized layers, quantized experts, aliases, lossless)."""
+    quantized: dict[str, dict] = {}
+    layer_keys: set[str] = set()
+    lossless = True
+    for name, layer in layers:
+        if not isinstance(layer, HiF8Linear):  # an MoE expert's projection: stored with its experts module below
+            continue
+        layer_keys.update((f"{name}.weight", f"{name}._extra_state"))
+        quantized[name], layer_lossless = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype)
+        lossless &= layer_lossless
+    experts: dict[str, dict] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, HiF8Experts):
+            experts[name], keys, experts_lossless = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype,
+                                                                 storage_dtype)
+            layer_keys |= keys
+            lossless &= experts_lossless
+    scaler_owners = set(quantized) | {name for name, layer in layers if not isinstance(layer, HiF8Linear)}
+    aliases, state_lossless = _add_state(out, state, layer_keys, scaler_owners, storage_dtype)
+    lossless &= state_lossless
+    _add_nonpersistent_buffers(out, model, state)
+    return quantized, experts, aliases, lossless
+
+
 def export_hif8(
     module_or_model,
     out_dir: str | os.PathLike,
@@ -252,10 +278,7 @@ def export_hif8(
     """
     from safetensors.torch import save_file
 
-    model, module_tokenizer, info = unwrap(module_or_model)
-    tokenizer = tokenizer if tokenizer is not None else module_tokenizer
-    storage_dtype = resolve_dtype(dtype)
-    cdtype = resolve_dtype(compute_dtype) if compute_dtype is not None else None
+    model, tokenizer, info, storage_dtype, cdtype = export_source(module_or_model, tokenizer, dtype, compute_dtype)
     layers = quantized_linears(model)
     if not layers:
         raise ExportError(
@@ -267,27 +290,7 @@ def export_hif8(
     state = model.state_dict()
 
     out = _Tensors()
-    quantized: dict[str, dict] = {}
-    layer_keys: set[str] = set()
-    lossless = True
-    for name, layer in layers:
-        if not isinstance(layer, HiF8Linear):  # an MoE expert's projection: stored with its experts module below
-            continue
-        layer_keys.update((f"{name}.weight", f"{name}._extra_state"))
-        quantized[name], layer_lossless = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype)
-        lossless &= layer_lossless
-    experts: dict[str, dict] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, HiF8Experts):
-            experts[name], keys, experts_lossless = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype,
-                                                                 storage_dtype)
-            layer_keys |= keys
-            lossless &= experts_lossless
-    scaler_owners = set(quantized) | {name for name, layer in layers if not isinstance(layer, HiF8Linear)}
-    aliases, state_lossless = _add_state(out, state, layer_keys, scaler_owners, storage_dtype)
-    lossless &= state_lossless
-    _add_nonpersistent_buffers(out, model, state)
-
+    quantized, experts, aliases, lossless = _add_model_tensors(out, model, layers, state, cdtype, storage_dtype)
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if not lossless:
         log.warning(

@@ -131,15 +131,9 @@ class HeadroomEstimate:
     clipped_high: torch.Tensor
 
 
-def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Tensor, max_vals, fmt_name: str = "hif8",
-                      margin: float = 0.0, power_2: bool = False) -> HeadroomEstimate:
-    """The what-if headroom of tensors from their summed health vectors ``health`` [m, HEALTH_LEN] (:mod:`.health`),
-    the ``a_hat`` [m] they were quantized with and their ``amax`` [m] (which bounds the top occupied bin: its largest
-    element is known exactly), at each ``max_val`` of ``max_vals`` (the module docstring)."""
-    health = health.double().reshape(-1, health.shape[-1])
-    m = health.shape[0]
-    max_vals = tuple(float(v) for v in max_vals)
-    grid = _grid(fmt_name)
+def _occupied_bins(health: torch.Tensor, amax: torch.Tensor):
+    """The |x| histogram's finite bins that any tensor occupies -> (counts [m, bins], lower and upper edges [m, bins]
+    capped at each tensor's amax, the count of inf / NaN elements [m])."""
     counts = health[:, HIST_OFFSET + 1:]  # bin 0 holds the zeros: no error, never clipped
     bins = torch.arange(1, HIST_BINS, dtype=torch.int64)
     lower = bin_lower_edge(bins).double()
@@ -151,6 +145,51 @@ def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Ten
     amax = amax.double().reshape(-1, 1)
     lower, upper = lower[finite & occupied], upper[finite & occupied]
     lower, upper = torch.minimum(lower, amax), torch.minimum(upper, amax)  # [m, bins]
+    return counts, lower, upper, nonfinite_counts
+
+
+def _bin_squared_errors(grid: torch.Tensor, a, b, a_lo, b_hi, max_val: float, clamp_value: float):
+    """The squared quantization error of an element of each bin [a, b] of the scaled axis -> (mean: elements uniform
+    within the bin, smallest, largest: bounds for any element in [a_lo, b_hi]); the part of a bin above ``max_val``
+    is clamped to ``clamp_value``."""
+    top = torch.full_like(a, max_val)
+    # the part of a bin rounded on the grid, [a, min(b, max_val)], and the part clamped to round(max_val)
+    on_grid = a < max_val
+    start, stop = torch.where(on_grid, a, top), torch.minimum(b, top)
+    integral, _, _ = _grid_error(grid, start, torch.maximum(stop, start))
+    wide_start = torch.where(on_grid, a_lo, top)
+    _, smallest, largest = _grid_error(grid, wide_start, torch.maximum(torch.minimum(b_hi, top), wide_start))
+    clamped = b > max_val
+    clamp_start = torch.maximum(a, top)
+    integral = integral + torch.where(clamped, ((b - clamp_value) ** 3 - (clamp_start - clamp_value) ** 3) / 3, 0.0)
+    e_lo, e_hi = torch.maximum(a_lo, top) - clamp_value, b_hi - clamp_value
+    clamp_max = torch.maximum(e_lo**2, e_hi**2)
+    clamp_min = torch.where((e_lo <= 0) & (e_hi >= 0), 0.0, torch.minimum(e_lo**2, e_hi**2))
+    largest = torch.where(clamped, torch.maximum(largest, clamp_max), largest)
+    smallest = torch.where(clamped, torch.where(on_grid, torch.minimum(smallest, clamp_min), clamp_min), smallest)
+    width = b - a  # 0: a bin whose elements all equal amax (a bin edge): the error of that point
+    mean = torch.where(width > 0, integral / torch.where(width > 0, width, 1.0), largest)
+    return mean, smallest, largest
+
+
+def _clipped_fraction(a: torch.Tensor, b: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The fraction of each bin [a, b] of the scaled axis at or above the clipping ``threshold`` (elements uniform
+    within the bin; a zero-width bin: all or nothing)."""
+    width = b - a
+    return torch.where(width > 0, (b - torch.maximum(a, torch.full_like(a, threshold))) / torch.where(
+        width > 0, width, 1.0), (a >= threshold).double()).clamp(0.0, 1.0)
+
+
+def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Tensor, max_vals, fmt_name: str = "hif8",
+                      margin: float = 0.0, power_2: bool = False) -> HeadroomEstimate:
+    """The what-if headroom of tensors from their summed health vectors ``health`` [m, HEALTH_LEN] (:mod:`.health`),
+    the ``a_hat`` [m] they were quantized with and their ``amax`` [m] (which bounds the top occupied bin: its largest
+    element is known exactly), at each ``max_val`` of ``max_vals`` (the module docstring)."""
+    health = health.double().reshape(-1, health.shape[-1])
+    m = health.shape[0]
+    max_vals = tuple(float(v) for v in max_vals)
+    grid = _grid(fmt_name)
+    counts, lower, upper, nonfinite_counts = _occupied_bins(health, amax)
     signal = health[:, 1]  # sum x^2 (FIELDS order: numel, sum_x2, ...)
     a_hat = a_hat.reshape(-1).float()  # the scale is computed as the scaler computes it, in float32
     shape = (m, len(max_vals))
@@ -161,30 +200,12 @@ def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Ten
         clamp_value = float(get_format(fmt_name).round_f32(torch.tensor([max_val], dtype=torch.float32)))
         a, b = lower * scale, upper * scale  # [m, bins]: each bin on the scaled axis
         a_lo, b_hi = a * (1 - _FP32_SLACK), b * (1 + _FP32_SLACK)  # fl(|x| s) moves y by at most 2^-24
-        top = torch.full_like(a, max_val)
-        # the part of a bin rounded on the grid, [a, min(b, max_val)], and the part clamped to round(max_val)
-        on_grid = a < max_val
-        start, stop = torch.where(on_grid, a, top), torch.minimum(b, top)
-        integral, _, _ = _grid_error(grid, start, torch.maximum(stop, start))
-        wide_start = torch.where(on_grid, a_lo, top)
-        _, smallest, largest = _grid_error(grid, wide_start, torch.maximum(torch.minimum(b_hi, top), wide_start))
-        clamped = b > max_val
-        clamp_start = torch.maximum(a, top)
-        integral = integral + torch.where(clamped, ((b - clamp_value) ** 3 - (clamp_start - clamp_value) ** 3) / 3, 0.0)
-        e_lo, e_hi = torch.maximum(a_lo, top) - clamp_value, b_hi - clamp_value
-        clamp_max = torch.maximum(e_lo**2, e_hi**2)
-        clamp_min = torch.where((e_lo <= 0) & (e_hi >= 0), 0.0, torch.minimum(e_lo**2, e_hi**2))
-        largest = torch.where(clamped, torch.maximum(largest, clamp_max), largest)
-        smallest = torch.where(clamped, torch.where(on_grid, torch.minimum(smallest, clamp_min), clamp_min), smallest)
+        mean, smallest, largest = _bin_squared_errors(grid, a, b, a_lo, b_hi, max_val, clamp_value)
         to_x = 1.0 / scale[:, 0] ** 2  # errors on the scaled axis, back to x's units
-        width = b - a  # 0: a bin whose elements all equal amax (a bin edge): the error of that point
-        mean = torch.where(width > 0, integral / torch.where(width > 0, width, 1.0), largest)
         out["mean"][:, j] = (counts * mean).sum(dim=1) * to_x
         out["low"][:, j] = (counts * smallest).sum(dim=1) * to_x
         out["high"][:, j] = (counts * largest).sum(dim=1) * to_x
-        above = torch.where(width > 0, (b - torch.maximum(a, torch.full_like(a, threshold))) / torch.where(
-            width > 0, width, 1.0), (a >= threshold).double()).clamp(0.0, 1.0)
-        out["clip"][:, j] = (counts * above).sum(dim=1)
+        out["clip"][:, j] = (counts * _clipped_fraction(a, b, threshold)).sum(dim=1)
         out["clip_low"][:, j] = (counts * (a_lo >= threshold)).sum(dim=1)
         out["clip_high"][:, j] = (counts * (b_hi >= threshold)).sum(dim=1)
     bad = (nonfinite_counts > 0)[:, None]

@@ -108,6 +108,37 @@ def _exclusion(name: str, block: int | None, selection: LayerSelection, module_r
     return BOUNDARY if blocks is not None and block not in blocks else NOT_CONVERTED
 
 
+def _excluded_modules(model: nn.Module, quantized_names: set[str], selection: LayerSelection,
+                      block_regex: re.Pattern, module_regex: re.Pattern, boundary) -> tuple[list[dict], int]:
+    """The linears (and fused experts modules) left in high precision, each with why -> (excluded, the number of
+    linears in the model)."""
+    excluded, linears = [], 0
+    for name, module in model.named_modules():
+        dense = _is_linear(module)
+        linears += dense
+        if (dense and name not in quantized_names) or is_fused_experts(module):
+            block = block_index(name, block_regex)
+            excluded.append({"name": name, "block": block,
+                             "reason": _exclusion(name, block, selection, module_regex, boundary, dense)})
+    return excluded, linears
+
+
+def _high_precision_blocks(selection: LayerSelection, num_blocks: int, quantized_blocks: list[int],
+                           boundary) -> tuple[list[int], str]:
+    """The decoder blocks kept in high precision and why: those a module filter left without a quantized module,
+    else the boundary blocks ``high_precision_layers`` names."""
+    k = selection.high_precision_layers
+    if selection.filter_fn is not None:
+        high_precision = sorted(set(range(num_blocks)) - set(quantized_blocks))
+        reason = ("a module filter (filter_fn) chose the modules; these blocks hold none of them "
+                  "(high_precision_layers and the patterns were not used)")
+    else:
+        high_precision = sorted(set(range(num_blocks)) - set(boundary or range(num_blocks)))
+        reason = (f"high_precision_layers={k}: the first ceil({k}/2)={math.ceil(k / 2)} and the last "
+                  f"floor({k}/2)={k // 2} of {num_blocks} blocks stay in high precision")
+    return high_precision, reason
+
+
 def quantization_inventory(model: nn.Module, selection: LayerSelection | None = None,
                            switched_on: Mapping[str, bool] | None = None) -> dict:
     """The inventory of ``model``, converted by ``convert_to_hif8_training`` with ``selection`` (see the module doc).
@@ -132,24 +163,10 @@ def quantization_inventory(model: nn.Module, selection: LayerSelection | None = 
         modules.append(_module_entry(name, layer, block, _kind(name, block_regex, not dense), shape, switched_on))
     quantized_names = {m["name"] for m in modules}
 
-    excluded, linears = [], 0
-    for name, module in model.named_modules():
-        dense = _is_linear(module)
-        linears += dense
-        if (dense and name not in quantized_names) or is_fused_experts(module):
-            block = block_index(name, block_regex)
-            excluded.append({"name": name, "block": block,
-                             "reason": _exclusion(name, block, selection, module_regex, boundary, dense)})
+    excluded, linears = _excluded_modules(model, quantized_names, selection, block_regex, module_regex, boundary)
 
     quantized_blocks = sorted({m["block"] for m in modules if m["block"] is not None})
-    if uses_filter:
-        high_precision = sorted(set(range(num_blocks)) - set(quantized_blocks))
-        reason = ("a module filter (filter_fn) chose the modules; these blocks hold none of them "
-                  "(high_precision_layers and the patterns were not used)")
-    else:
-        high_precision = sorted(set(range(num_blocks)) - set(boundary or range(num_blocks)))
-        reason = (f"high_precision_layers={k}: the first ceil({k}/2)={math.ceil(k / 2)} and the last "
-                  f"floor({k}/2)={k // 2} of {num_blocks} blocks stay in high precision")
+    high_precision, reason = _high_precision_blocks(selection, num_blocks, quantized_blocks, boundary)
     filter_name = getattr(selection.filter_fn, "__qualname__", repr(selection.filter_fn)) if uses_filter else None
     return {
         "format": INVENTORY_FORMAT,

@@ -66,8 +66,9 @@ def _describe_inventory(run: Run) -> str:
             f"{block_ranges(stats['high_precision_blocks'])} ({stats['file']})")
 
 
-def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, results: list[dict],
-                    warnings: list[str], ape_from_step: int, resamples: int, seed: int) -> str:
+def _render_header(baseline: Run, qats: list[Run], initial: Evaluation | None, warnings: list[str],
+                   resamples: int, seed: int) -> list[str]:
+    """The title, what each run is, the warnings, and how to read the Δ / CI / n columns."""
     q_names = ", ".join(f"`{r.label}`" for r in qats)
     lines = [f"# {q_names} vs `{baseline.label}`", "", f"- baseline `{baseline.label}`: {_describe(baseline)}"]
     lines += [f"- QAT `{run.label}`: {_describe(run)}" for run in qats]
@@ -79,6 +80,12 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
                  f"means over the same examples ({resamples} resamples, seed {seed}); p = McNemar exact two-sided; "
                  "a difference whose CI contains 0 is within noise. n = examples compared (\"n (of a / b)\": the runs evaluated "
                  "different examples, their intersection is used). Rel. drop % = (baseline − QAT) / baseline × 100.")
+    return lines
+
+
+def _render_benchmark_tables(qats: list[Run], initial: Evaluation | None, results: list[dict]) -> list[str]:
+    """One table a QAT run of its main benchmark metrics and comparisons, then the CI-n/a notes (each once)."""
+    lines: list[str] = []
     notes: list[str] = []
     for run, r in zip(qats, results):
         comps = [c for c in COMPARISONS if initial or c == "quantization"]
@@ -100,18 +107,22 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
         else:
             lines.append("| **mean relative drop** (main metrics) |" + " |" * (len(head) - 2) + f" {_fmt(r['mean_relative_drop_pct'], '.2f')} |")
     notes = list(dict.fromkeys(notes))
-    lines += [""] * bool(notes) + [f"- CI n/a: {note}; point values only" for note in notes[:10]]
-    if has_measures(results):
-        lines += render_measures(results, [r["label"] for r in results], initial is not None)
-    lines += render_distortion(results)
-    lines += render_floor(results)
+    return lines + [""] * bool(notes) + [f"- CI n/a: {note}; point values only" for note in notes[:10]]
+
+
+def _render_training_loss(baseline: Run, results: list[dict], ape_from_step: int) -> list[str]:
+    """The train-loss APE against the baseline and the final losses, one row a run."""
     since = f", steps ≥ {ape_from_step}" if ape_from_step else ""
-    lines += ["", "## Training loss", "", f"| run | train-loss APE % (common steps{since}) | final train loss | final val loss |",
-              "|---|---:|---:|---:|",
-              f"| `{baseline.label}` | – | {_fmt(last_value(baseline.train_loss()))} | {_fmt(baseline.last('val/loss'))} |"]
-    lines += [f"| `{r['label']}` | {_fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']}) | "
-              f"{_fmt(r['final_train_loss'])} | {_fmt(r['final_val_loss'])} |" for r in results]
-    lines += ["", "## ARC-Challenge check (paper: quantization drop > 1 %)", ""]
+    lines = ["", "## Training loss", "", f"| run | train-loss APE % (common steps{since}) | final train loss | final val loss |",
+             "|---|---:|---:|---:|",
+             f"| `{baseline.label}` | – | {_fmt(last_value(baseline.train_loss()))} | {_fmt(baseline.last('val/loss'))} |"]
+    return lines + [f"| `{r['label']}` | {_fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']}) | "
+                    f"{_fmt(r['final_train_loss'])} | {_fmt(r['final_val_loss'])} |" for r in results]
+
+
+def _render_arc_check(results: list[dict]) -> list[str]:
+    """The paper's check: does quantization drop ARC-Challenge by more than 1 %?"""
+    lines = ["", "## ARC-Challenge check (paper: quantization drop > 1 %)", ""]
     for r in results:
         for a in r["arc_check"]:
             ci = f" [{a['ci_low']:+.4f}, {a['ci_high']:+.4f}], n={a['n']}" if a["ci_low"] is not None else " (CI n/a)"
@@ -119,12 +130,20 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
                          f"({'>' if a['drop_gt_1pct'] else '≤'} 1 %), Δ {_fmt(a['difference'], '+.4f')}{ci}: **{a['verdict']}**")
         if not r["arc_check"]:
             lines.append(f"- `{r['label']}`: no ARC-Challenge metric logged")
-    lines += ["", "## Saturation", "", "| | " + " | ".join(f"`{r['label']}`" for r in results) + " |", "|---|" + "---:|" * len(results)]
-    sat_rows = [("clipped elements", "clipped", "d"), ("seen (quantized) elements", "seen", "d"),
-                ("clipped fraction", "clipped_frac", ".3e"), ("saturation events", "events", "d"),
-                ("layers that clipped", "layers_clipped", "d"), ("first clipped step", "first_clipped_step", "d"),
-                ("min headroom (a_hat / amax)", "min_headroom", ".4f"), ("quantized steps", "quantized_steps", "d")]
-    for title, key, spec in sat_rows:
+    return lines
+
+
+# the saturation table's rows: (title, key of the run's saturation stats, format)
+SATURATION_ROWS = [("clipped elements", "clipped", "d"), ("seen (quantized) elements", "seen", "d"),
+                   ("clipped fraction", "clipped_frac", ".3e"), ("saturation events", "events", "d"),
+                   ("layers that clipped", "layers_clipped", "d"), ("first clipped step", "first_clipped_step", "d"),
+                   ("min headroom (a_hat / amax)", "min_headroom", ".4f"), ("quantized steps", "quantized_steps", "d")]
+
+
+def _render_saturation(results: list[dict]) -> list[str]:
+    """The clipping counts, one column a QAT run, then which tensors clipped and where the numbers came from."""
+    lines = ["", "## Saturation", "", "| | " + " | ".join(f"`{r['label']}`" for r in results) + " |", "|---|" + "---:|" * len(results)]
+    for title, key, spec in SATURATION_ROWS:
         cells = []
         for r in results:
             s = r["saturation"] or {}
@@ -138,6 +157,22 @@ def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, 
                          + ", ".join(f"`{t}`" for t in s["tensors_clipped"]))
         if s and s["seen"] is None:
             lines.append(f"\n`{r['label']}`: no {SUMMARY_FILE}; saturation from the per-step CSV columns.")
+    return lines
+
+
+def render_markdown(baseline: Run, qats: list[Run], initial: Evaluation | None, results: list[dict],
+                    warnings: list[str], ape_from_step: int, resamples: int, seed: int) -> str:
+    """results.md: the header, the benchmark tables, the measures and distortion sections, losses, ARC, saturation
+    and health."""
+    lines = _render_header(baseline, qats, initial, warnings, resamples, seed)
+    lines += _render_benchmark_tables(qats, initial, results)
+    if has_measures(results):
+        lines += render_measures(results, [r["label"] for r in results], initial is not None)
+    lines += render_distortion(results)
+    lines += render_floor(results)
+    lines += _render_training_loss(baseline, results, ape_from_step)
+    lines += _render_arc_check(results)
+    lines += _render_saturation(results)
     lines += (render_whatif(results) + render_health(results) + render_headroom(results) + render_forecast(results)
               + render_fallback(results))
     return "\n".join(lines) + "\n"

@@ -91,12 +91,85 @@ def hif8_fake_quant_kernel(
 
 
 @triton.jit
+def _count_clipped(xf, mag_f, mask, clipped_ptr, whatif_ptr, clip_threshold, MASKED: tl.constexpr,
+                   N_WHATIF: tl.constexpr):
+    """Add the block's clipped elements to acc[1] and, for each what-if scale, those it would clip to acc[2 + k]."""
+    # clipped = the clamp changes the rounded value (formats.saturation_threshold); NaN compares False
+    over = mag_f >= clip_threshold
+    if MASKED:
+        over = over & mask
+    n_clipped = tl.reduce(over.to(tl.int32), 0, _add_combine)
+    if n_clipped > 0:
+        tl.atomic_add(clipped_ptr, n_clipped.to(tl.int64), sem="relaxed")
+    if N_WHATIF > 0:  # what-if: the same clipping test under the other estimators' scales, from the same read
+        magnitude = tl.abs(xf)
+        for k in tl.static_range(N_WHATIF):
+            hit = magnitude * tl.load(whatif_ptr + k) >= clip_threshold
+            if MASKED:
+                hit = hit & mask
+            n_hit = tl.reduce(hit.to(tl.int32), 0, _add_combine)
+            if n_hit > 0:
+                tl.atomic_add(clipped_ptr + 1 + k, n_hit.to(tl.int64), sem="relaxed")
+
+
+@triton.jit
+def _round_stochastic(a_bits, sign, noise_ptr, offs, mask, MASKED: tl.constexpr):
+    """Stochastic rounding of the clamped magnitudes (bits) -> the HiF8 value's float32 bits:
+    formats.hif8_round_f32 with noise, op for op."""
+    mag = a_bits
+    exp = (mag >> 23) - 127
+    abs_exp = tl.abs(exp)
+    mbits = 3 - (abs_exp > 3).to(tl.int32) - (abs_exp > 7).to(tl.int32)
+    mbits = tl.where(exp < -15, 0, mbits)
+    shift = 23 - mbits
+    if MASKED:
+        noise = tl.load(noise_ptr + offs, mask=mask, other=0)
+    else:
+        noise = tl.load(noise_ptr + offs)
+    increment = noise & ((1 << shift) - 1)
+    # round up below 2^-22 with probability |x| / 2^-22 (powers of two: exact); only lanes
+    # with exp < -22 use it, the others are zeroed first so the float->int cast never overflows
+    tiny_mag = tl.where(exp < -22, mag, 0).to(tl.float32, bitcast=True)
+    threshold = (tiny_mag * 4194304.0 * 8388608.0).to(tl.int32)
+    tiny = tl.where((noise & 0x7FFFFF) < threshold, 0x34800000, 0)
+    rounded = (mag + increment) & -(1 << shift)
+    rounded = tl.where(exp < -22, tiny, rounded)
+    rounded = tl.where(rounded > 0x47000000, 0x7F800000, rounded)  # above 2^15 -> inf
+    rounded = tl.where(mag > 0x7F800000, mag, rounded)  # NaN stays NaN
+    return rounded | tl.where(rounded != 0, sign, 0)  # one zero: -0 -> +0
+
+
+@triton.jit
+def _divide_by_scale(q, qbits, scale, OVERFLOW: tl.constexpr, CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr,
+                     GRID: tl.constexpr):
+    """``q / scale`` correctly rounded (Markstein's FMA correction, see the module docstring), or q with GRID."""
+    if GRID:  # the grid values themselves (at most 4 significant bits: exact in every output dtype)
+        deq = q
+    elif INTERPRET:
+        deq = tl.math.div_rn(q, scale)
+    else:
+        if (scale >= 8.673617379884035e-19) & (scale <= 1.152921504606847e18):  # 2^-60 .. 2^60
+            r = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
+            y = q * r
+            y = tl.fma(tl.fma(-y, scale, q), r, y)
+            if CORRECTIONS == 2:
+                y = tl.fma(tl.fma(-y, scale, q), r, y)
+            if OVERFLOW:
+                y = tl.where((qbits & 0x7FFFFFFF) == 0x7F800000, q * r, y)  # +-inf / scale
+            deq = y
+        else:
+            deq = tl.math.div_rn(q, scale)  # IEEE division, bit-identical to torch's q / scale
+    return deq
+
+
+@triton.jit
 def _quantize_block(
     x_ptr, out_ptr, codes_ptr, noise_ptr, scale_ptr, round_tab_ptr, code_tab_ptr, amax_ptr, clipped_ptr, whatif_ptr,
     offs, n, max_val, clip_threshold, MASKED: tl.constexpr, WANT_CODES: tl.constexpr, HAS_NOISE: tl.constexpr,
     OVERFLOW: tl.constexpr, CORRECTIONS: tl.constexpr, INTERPRET: tl.constexpr, GRID: tl.constexpr,
     N_WHATIF: tl.constexpr,
 ):
+    """Load one block, record its amax and clipped counts, round it to HiF8, store q / scale (and the codes)."""
     if MASKED:
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -115,50 +188,15 @@ def _quantize_block(
     scale = tl.load(scale_ptr)
     scaled = xf * scale
     mag_f = tl.abs(scaled)
-    # clipped = the clamp changes the rounded value (formats.saturation_threshold); NaN compares False
-    over = mag_f >= clip_threshold
-    if MASKED:
-        over = over & mask
-    n_clipped = tl.reduce(over.to(tl.int32), 0, _add_combine)
-    if n_clipped > 0:
-        tl.atomic_add(clipped_ptr, n_clipped.to(tl.int64), sem="relaxed")
-    if N_WHATIF > 0:  # what-if: the same clipping test under the other estimators' scales, from the same read
-        magnitude = tl.abs(xf)
-        for k in tl.static_range(N_WHATIF):
-            hit = magnitude * tl.load(whatif_ptr + k) >= clip_threshold
-            if MASKED:
-                hit = hit & mask
-            n_hit = tl.reduce(hit.to(tl.int32), 0, _add_combine)
-            if n_hit > 0:
-                tl.atomic_add(clipped_ptr + 1 + k, n_hit.to(tl.int64), sem="relaxed")
+    _count_clipped(xf, mag_f, mask, clipped_ptr, whatif_ptr, clip_threshold, MASKED, N_WHATIF)
     # clamp(-max_val, max_val) as min(|scaled|, max_val) with scaled's sign; NaN propagates
     a = tl.minimum(mag_f, max_val, propagate_nan=tl.PropagateNan.ALL)
     a_bits = a.to(tl.int32, bitcast=True)
     sign = scaled.to(tl.int32, bitcast=True) & -2147483648
     bits = a_bits | sign
 
-    if HAS_NOISE:  # stochastic rounding: formats.hif8_round_f32 with noise, op for op
-        mag = a_bits
-        exp = (mag >> 23) - 127
-        abs_exp = tl.abs(exp)
-        mbits = 3 - (abs_exp > 3).to(tl.int32) - (abs_exp > 7).to(tl.int32)
-        mbits = tl.where(exp < -15, 0, mbits)
-        shift = 23 - mbits
-        if MASKED:
-            noise = tl.load(noise_ptr + offs, mask=mask, other=0)
-        else:
-            noise = tl.load(noise_ptr + offs)
-        increment = noise & ((1 << shift) - 1)
-        # round up below 2^-22 with probability |x| / 2^-22 (powers of two: exact); only lanes
-        # with exp < -22 use it, the others are zeroed first so the float->int cast never overflows
-        tiny_mag = tl.where(exp < -22, mag, 0).to(tl.float32, bitcast=True)
-        threshold = (tiny_mag * 4194304.0 * 8388608.0).to(tl.int32)
-        tiny = tl.where((noise & 0x7FFFFF) < threshold, 0x34800000, 0)
-        rounded = (mag + increment) & -(1 << shift)
-        rounded = tl.where(exp < -22, tiny, rounded)
-        rounded = tl.where(rounded > 0x47000000, 0x7F800000, rounded)  # above 2^15 -> inf
-        rounded = tl.where(mag > 0x7F800000, mag, rounded)  # NaN stays NaN
-        qbits = rounded | tl.where(rounded != 0, sign, 0)  # one zero: -0 -> +0
+    if HAS_NOISE:
+        qbits = _round_stochastic(a_bits, sign, noise_ptr, offs, mask, MASKED)
     else:  # round to nearest, ties away: one table row per sign and exponent
         row = tl.load(round_tab_ptr + (bits.to(tl.uint32, bitcast=True) >> 23))
         qbits = (bits + row.to(tl.int32)) & (row >> 32).to(tl.int32)
@@ -166,22 +204,7 @@ def _quantize_block(
             qbits = tl.where(a >= 40960.0, 0x7F800000 | sign, qbits)
     q = qbits.to(tl.float32, bitcast=True)
 
-    if GRID:  # the grid values themselves (at most 4 significant bits: exact in every output dtype)
-        deq = q
-    elif INTERPRET:
-        deq = tl.math.div_rn(q, scale)
-    else:
-        if (scale >= 8.673617379884035e-19) & (scale <= 1.152921504606847e18):  # 2^-60 .. 2^60
-            r = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
-            y = q * r
-            y = tl.fma(tl.fma(-y, scale, q), r, y)
-            if CORRECTIONS == 2:
-                y = tl.fma(tl.fma(-y, scale, q), r, y)
-            if OVERFLOW:
-                y = tl.where((qbits & 0x7FFFFFFF) == 0x7F800000, q * r, y)  # +-inf / scale
-            deq = y
-        else:
-            deq = tl.math.div_rn(q, scale)  # IEEE division, bit-identical to torch's q / scale
+    deq = _divide_by_scale(q, qbits, scale, OVERFLOW, CORRECTIONS, INTERPRET, GRID)
     if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
         tl.store(out_ptr + offs, _f32_to_bf16_rtne(deq), mask=mask)
     else:
