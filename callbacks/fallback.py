@@ -20,8 +20,9 @@ import lightning as L
 
 from qat_app.errors import ConfigError
 from qat_app.hif8.errors import FieldError
-from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, fallback_step, quantized_tensors, read_counters,
-                                   scaler_pairs)
+from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, check_reachable_floor, fallback_step,
+                                   quantized_tensors, read_counters, scaler_pairs)
+from qat_app.hif8.fallback_summary import TARGET_TEXT
 
 from .saturation import AmaxSaturationCallback
 from .warmup import BF16WarmupCallback
@@ -29,12 +30,12 @@ from .warmup import BF16WarmupCallback
 log = logging.getLogger(__name__)
 
 FALLBACK_METRIC = "fallback/tensors"
-TARGET_TEXT = {"current": "current scaling", "high_precision": "high precision"}
 
 
-def check_fallback(policy: FallbackPolicy, *, warmup_steps: int, max_steps: int, health: bool) -> None:
+def check_fallback(policy: FallbackPolicy, *, warmup_steps: int, max_steps: int, health: bool, recipe=None) -> None:
     """Raise :class:`ConfigError` when the window is longer than the run's quantized steps (it could never fill),
-    or the SQNR rule is asked for without the SQNR being measured (``health``: the saturation callback's)."""
+    the SQNR rule is asked for without the SQNR being measured (``health``: the saturation callback's), or its
+    floor is above what the recipe's format can give (:func:`~qat_app.hif8.fallback.check_reachable_floor`)."""
     quantized_steps = max_steps - warmup_steps
     if max_steps > 0 and policy.window > quantized_steps:
         raise ConfigError(f"fallback.policy.window ({policy.window}) is longer than the run's {quantized_steps} quantized "
@@ -43,6 +44,11 @@ def check_fallback(policy: FallbackPolicy, *, warmup_steps: int, max_steps: int,
     if policy.sqnr_floor_db is not None and not health:
         raise ConfigError("fallback.policy.sqnr_floor_db needs the SQNR measured: set saturation.health true "
                           "(it is measured every trainer.log_every_n_steps)")
+    if recipe is not None:
+        try:
+            check_reachable_floor(policy, recipe.format, recipe.resolved_max_val)
+        except FieldError as err:
+            raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
 
 
 def make_policy(policy) -> FallbackPolicy:
@@ -73,6 +79,11 @@ class FallbackCallback(L.Callback):
         self._seen_step = -1
         self.decisions: list[dict] = []  # this fit's, in order
         self._fallen_back = 0  # tensors fallen back so far, resumed ones included (the logged count)
+        self._said_stop = False  # the budget's stop is said once (a resumed run whose policy stopped: at resume)
+
+    def fallback_stopped(self) -> dict | None:
+        """The budget's stop (step, qualified, already, budget, diagnosis), or None while the policy decides."""
+        return dict(self.monitor.stopped) if self.monitor is not None and self.monitor.stopped is not None else None
 
     def state_dict(self) -> dict:
         return {"monitor": self.monitor.state_dict() if self.monitor is not None else self._saved}
@@ -81,12 +92,26 @@ class FallbackCallback(L.Callback):
         self._saved = state_dict.get("monitor")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not self.enabled or stage != "fit":
+        if stage == "fit":
+            self.check(trainer, pl_module)
+
+    def check(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The policy against the run (:func:`check_fallback`); the CLI calls it before the trainer writes anything."""
+        if not self.enabled:
             return
         saturation = next((c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)), None)
         warmup = next((c for c in trainer.callbacks if isinstance(c, BF16WarmupCallback)), None)
+        quant = getattr(pl_module, "quant", None)
         check_fallback(self.policy, warmup_steps=warmup.warmup_steps if warmup is not None else 0,
-                       max_steps=trainer.max_steps or -1, health=saturation is not None and saturation.health)
+                       max_steps=trainer.max_steps or -1, health=saturation is not None and saturation.health,
+                       recipe=getattr(quant, "recipe", None) if getattr(quant, "enabled", True) else None)
+        model = getattr(pl_module, "model", None)
+        tensors = quantized_tensors(model) if model is not None else []
+        if tensors:
+            try:  # a budget above the model's quantized tensors, named before anything is written
+                self.policy.budget(len(tensors))
+            except FieldError as err:
+                raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._seen_step = trainer.global_step
@@ -96,7 +121,10 @@ class FallbackCallback(L.Callback):
         if not tensors:
             log.warning("fallback: the model has no quantized tensor (quant.enabled=false?); nothing can fall back")
             return
-        self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)
+        try:
+            self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)
+        except FieldError as err:  # a budget above the number of quantized tensors
+            raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
         self._fallen_back = sum(operand in layer.fallback for _, layer, operand in tensors)
         if self._saved is not None:
             try:
@@ -117,6 +145,17 @@ class FallbackCallback(L.Callback):
             log.warning("fallback at step %d: %s.%s -> %s for the rest of the run (%s: %s)", decision["step"],
                         decision["module"], decision["operand"], TARGET_TEXT[decision["target"]], decision["reason"],
                         decision["evidence"])
+        for done in self.monitor.verified:
+            verdict = done["verified"]
+            (log.info if verdict["worked"] else log.warning)(
+                "fallback verified at step %d: %s.%s -> %s %s: %s", verdict["step"], done["module"], done["operand"],
+                TARGET_TEXT[done["target"]], "worked" if verdict["worked"] else "DID NOT WORK", verdict["text"])
+        stopped = self.monitor.stopped
+        if stopped is not None and not self._said_stop:
+            self._said_stop = True
+            log.warning("fallback stopped at step %d: %d tensors qualified at once (%d fell back before; budget %d, "
+                        "fallback.policy.max_tensors): the recipe, not a few tensors, is the problem: %s",
+                        stopped["step"], stopped["qualified"], stopped["already"], stopped["budget"], stopped["diagnosis"])
         self.decisions.extend(new)
         self._fallen_back += len(new)
         for logger in trainer.loggers:

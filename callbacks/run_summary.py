@@ -11,7 +11,8 @@ saturation_summary.json and the config. At the end of fit, on global rank 0, thi
   training; quantization: HiF8) when logged, the W8A8 ones read against the noise floor;
   the noise floor (``callbacks.noise_floor``: KL, perplexity ratios, benchmark answers changed, its time);
   saturation totals (from AmaxSaturationCallback's summary file, or its ``summary()`` if it has none yet), and
-  each tensor the fallback policy switched (``callbacks.fallback``);
+  the fallback policy's decisions grouped by symptom and remedy, with their verification and the budget's stop
+  (``qat_app.hif8.fallback_summary``: at most 6 lines);
   the log and checkpoint locations; the report and export commands for this run.
 """
 
@@ -30,6 +31,7 @@ from qat_app.eval.records import read_records, recorded_steps, records_path
 
 from qat_app import stats
 from qat_app.eval.kl_cache import DRIFT, KL, QUANTIZATION, with_interval
+from qat_app.hif8.fallback_summary import summary_lines as fallback_lines
 from qat_app.hif8.forecast import summary_lines as forecast_lines
 from qat_app.hif8.headroom import summary_lines as headroom_lines
 
@@ -236,9 +238,7 @@ class RunSummaryCallback(L.Callback):
                 lines.append(f"              min headroom (a_hat / amax) {sat['min_headroom']:.3f}; "
                              + (f"first clipped at step {first}" if first is not None else "nothing clipped"))
             lines += headroom_lines(sat.get("headroom")) + forecast_lines(sat.get("forecast"))
-            for entry in sat.get("fallback", []):
-                lines.append(f"fallback      {entry['tensor']} -> {entry['target']} at step {entry['step']} "
-                             f"({entry['reason']}: {entry['evidence']})")
+            lines += fallback_lines(sat.get("fallback") or [], sat.get("fallback_stopped"))
         else:
             lines.append("saturation    - " + ("(no quantized layers: an unquantized run)" if unquantized else "(no totals)"))
         lines += profile_lines(trainer)

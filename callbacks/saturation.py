@@ -45,7 +45,7 @@ from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.formats import saturation_threshold
 from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, validate_grid
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, WHATIF_ALGOS, summarize
-from qat_app.hif8.quantized import set_health_measurement
+from qat_app.hif8.quantized import FALLBACK_HIGH_PRECISION, set_health_measurement
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 
@@ -71,6 +71,13 @@ def fallback_entries(model) -> list[dict]:
     """The fallback decisions of ``model`` (:func:`qat_app.hif8.fallback.fallen_back`), named like the tensors here."""
     return [{"tensor": f"{_short(d['module'])}.{d['operand']}", **{k: v for k, v in d.items() if k not in ("module", "operand")}}
             for d in fallen_back(model)]
+
+
+def _fallback_stopped(pl_module: L.LightningModule) -> dict | None:
+    """The fallback budget's stop (``callbacks.fallback``, which imports this module: found by its method)."""
+    trainer = getattr(pl_module, "_trainer", None)
+    found = (c.fallback_stopped() for c in (trainer.callbacks if trainer is not None else []) if hasattr(c, "fallback_stopped"))
+    return next((stopped for stopped in found if stopped is not None), None)
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -104,6 +111,27 @@ def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN, tens
         raise ConfigError(f"saturation.{err.field}{err.sep}{err.message}") from None
     values = tuple(sorted(set(values) | set(run_max_val.values())))
     return values, run_max_val, layer.format.name, float(scaler.margin), bool(scaler.power_2), block_pattern
+
+
+# what saturation_summary.json's figures mean (its "definition" entry)
+SUMMARY_DEFINITION = ("clipped: the clamp to +-max_val changed the element's quantized value; seen: elements of "
+                      "quantized forwards, summed over data-parallel ranks; headroom: a_hat / amax of a quantized step; "
+                      "whatif: what each estimator would have clipped on the same tensor with the same history (to "
+                      "first order: on the trajectory actually trained), events: steps with >= 1 such element; "
+                      "health: measured on logged steps (qat_app.hif8.health): SQNR in dB of x vs its fake "
+                      "quantization, underflow: non-zero elements quantized to 0 over all elements, outlier factor: "
+                      "amax / p99.9(|x|) (p99.9 from a ~9 % log histogram: at most 12.5 % high), tiers: fractions of "
+                      "elements by the mantissa bits of their quantized value; fallback: the tensors the fallback "
+                      "policy (qat_app.hif8.fallback) switched to current scaling or high precision, with the step "
+                      "whose counters decided, the rule and its evidence; headroom: at the last measured step, each tensor's SQNR "
+                      "and clipped elements estimated at every max_val of the grid from its |x| histogram (estimate: "
+                      "uniform within a bin; low/high: the bound that holds for any tensor, qat_app.hif8.headroom), "
+                      "per operand and block the mean estimated SQNR, and the suggested max_val (the highest mean "
+                      "SQNR with no more possibly-clipped elements than at the run's own max_val); forecast: each tensor's "
+                      "headroom (a_hat / amax) trend over its last quantized steps (Theil-Sen), warned when it is "
+                      "forecast to clip within the horizon; hits: it clipped while warned (lead_steps), false "
+                      "alarms: the warning cleared or the run ended without a clip, misses: a first clip unwarned "
+                      "(qat_app.hif8.forecast)")
 
 
 class AmaxSaturationCallback(L.Callback):
@@ -318,8 +346,19 @@ class AmaxSaturationCallback(L.Callback):
                                 for m, v in zip(grid, entry["sqnr_db"]) if v is not None})
         return metrics
 
-    def summary(self, pl_module: L.LightningModule) -> dict:
-        """Run totals over all ranks (a collective: call it on every rank)."""
+    def _health_of(self, name: str, fallback: dict | None = None) -> dict:
+        """One tensor's last logged health and its worst SQNR (and when), and since when it is unquantized (a
+        fallback to high precision: its 8-bit figures stop there)."""
+        worst = self.health_worst.get(name, {})
+        out = {"last": self.health_last.get(name), "worst_sqnr_db": _finite_or_none(worst.get("sqnr_db", math.nan)),
+               "worst_sqnr_step": worst.get("step")}
+        if fallback is not None and fallback.get("target") == FALLBACK_HIGH_PRECISION:
+            out["unquantized_since"] = fallback.get("step")
+        return out
+
+    def _tensor_summaries(self, pl_module: L.LightningModule) -> tuple[dict[str, dict], dict[str, dict]]:
+        """Each quantized tensor's run totals over all ranks (a collective), what-if counts, health and fallback
+        -> (the summary's tensors, the fallback entries by tensor)."""
         pairs = named_scalers(pl_module.model)
         columns = gather_columns(pairs, TOTAL_FIELDS + ("whatif_events",),
                                  TOTAL_COUNT_FIELDS + ("total_whatif_clipped",))
@@ -329,11 +368,6 @@ class AmaxSaturationCallback(L.Callback):
             clipped, events = columns["total_whatif_clipped"][index], columns["whatif_events"][index]
             return {algo: {"clipped": int(clipped[k]), "events": int(events[k])} for k, algo in enumerate(WHATIF_ALGOS)}
 
-        def health_of(name: str) -> dict:
-            worst = self.health_worst.get(name, {})
-            return {"last": self.health_last.get(name), "worst_sqnr_db": _finite_or_none(worst.get("sqnr_db", math.nan)),
-                    "worst_sqnr_step": worst.get("step")}
-
         fallback = {entry["tensor"]: entry for entry in fallback_entries(pl_module.model)}
         tensors = {
             name: {
@@ -341,11 +375,16 @@ class AmaxSaturationCallback(L.Callback):
                 "saturation_events": int(r[0]), "quantized_steps": int(r[1]), "min_headroom": _finite_or_none(r[2]),
                 "first_clipped_step": self.first_clipped_step.get(name),
                 "a_hat": r[3], "scale": r[4], "steps_recorded": int(r[5]),
-                "whatif": whatif_of(index), "health": health_of(name),
+                "whatif": whatif_of(index), "health": self._health_of(name, fallback.get(name)),
                 "fallback": {k: v for k, v in fallback[name].items() if k != "tensor"} if name in fallback else None,
             }
             for index, ((name, _), r) in enumerate(zip(pairs, rows))
         }
+        return tensors, fallback
+
+    def summary(self, pl_module: L.LightningModule) -> dict:
+        """Run totals over all ranks (a collective: call it on every rank)."""
+        tensors, fallback = self._tensor_summaries(pl_module)
         # tensors by their worst logged SQNR, lowest first (an SQNR of inf: quantized without error, last)
         worst_first = sorted(self.health_worst.items(), key=lambda item: item[1]["sqnr_db"])
         clipped = sum(t["clipped"] for t in tensors.values())
@@ -364,28 +403,12 @@ class AmaxSaturationCallback(L.Callback):
             "whatif": {algo: {key: sum(t["whatif"][algo][key] for t in tensors.values())
                               for key in ("clipped", "events")} for algo in WHATIF_ALGOS},
             "fallback": sorted(fallback.values(), key=lambda entry: entry.get("step", 0)),  # in the order decided
+            "fallback_stopped": _fallback_stopped(pl_module),
             "headroom": self.headroom_last,
             "forecast": self.forecast.scored() if self.forecast is not None else None,
             "health_worst": [{"tensor": name, "worst_sqnr_db": _finite_or_none(w["sqnr_db"]), "step": w["step"],
                               "last": self.health_last.get(name)} for name, w in worst_first],
-            "definition": "clipped: the clamp to +-max_val changed the element's quantized value; seen: elements of "
-                          "quantized forwards, summed over data-parallel ranks; headroom: a_hat / amax of a quantized step; "
-                          "whatif: what each estimator would have clipped on the same tensor with the same history (to "
-                          "first order: on the trajectory actually trained), events: steps with >= 1 such element; "
-                          "health: measured on logged steps (qat_app.hif8.health): SQNR in dB of x vs its fake "
-                          "quantization, underflow: non-zero elements quantized to 0 over all elements, outlier factor: "
-                          "amax / p99.9(|x|) (p99.9 from a ~9 % log histogram: at most 12.5 % high), tiers: fractions of "
-                          "elements by the mantissa bits of their quantized value; fallback: the tensors the fallback "
-                          "policy (qat_app.hif8.fallback) switched to current scaling or high precision, with the step "
-                          "whose counters decided, the rule and its evidence; headroom: at the last measured step, each tensor's SQNR "
-                          "and clipped elements estimated at every max_val of the grid from its |x| histogram (estimate: "
-                          "uniform within a bin; low/high: the bound that holds for any tensor, qat_app.hif8.headroom), "
-                          "per operand and block the mean estimated SQNR, and the suggested max_val (the highest mean "
-                          "SQNR with no more possibly-clipped elements than at the run's own max_val); forecast: each tensor's "
-                          "headroom (a_hat / amax) trend over its last quantized steps (Theil-Sen), warned when it is "
-                          "forecast to clip within the horizon; hits: it clipped while warned (lead_steps), false "
-                          "alarms: the warning cleared or the run ended without a clip, misses: a first clip unwarned "
-                          "(qat_app.hif8.forecast)",
+            "definition": SUMMARY_DEFINITION,
             "tensors": tensors,
         }
 

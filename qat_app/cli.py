@@ -177,6 +177,7 @@ class QATCLI(LightningCLI):
         self._resolve_ckpt_path(need_training_state=True)
         preflight.check_data(self.datamodule, self.trainer.world_size)
         preflight.check_forgetting_monitor(self.trainer, self.datamodule)
+        preflight.check_fallback_policy(self.trainer, self.model)
 
     def before_validate(self) -> None:
         self._resolve_ckpt_path(need_training_state=False)

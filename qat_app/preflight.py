@@ -180,6 +180,15 @@ def check_forgetting_monitor(trainer, datamodule) -> None:
         monitor.check(initial, datamodule, trainer.limit_val_batches)
 
 
+def check_fallback_policy(trainer, model) -> None:
+    """``fallback.policy`` against the run (window, health, the format's reachable SQNR) before anything is written."""
+    from callbacks import FallbackCallback
+
+    fallback = next((c for c in trainer.callbacks if isinstance(c, FallbackCallback)), None)
+    if fallback is not None:
+        fallback.check(trainer, model)
+
+
 def refuse_quantized_model_without_history(model, subcommand: str) -> None:
     """Evaluating (``subcommand``) a freshly quantized model: it has no amax history, so every layer would scale
     each batch by that padded batch's own max and scores would depend on the batch size. Refuse, saying what

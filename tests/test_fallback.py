@@ -81,7 +81,7 @@ def random_histories(n: int, steps: int, seed: int) -> list[list[int | None]]:
 @pytest.mark.parametrize("window, k", [(1, 1), (4, 2), (8, 8), (16, 5)])
 def test_the_saturation_rule_equals_an_independent_count(window, k):
     histories = random_histories(40, 60, seed=window * 100 + k)
-    monitor = FallbackMonitor(FallbackPolicy(window=window, min_events=k), [f"t{i}" for i in range(40)])
+    monitor = FallbackMonitor(FallbackPolicy(window=window, min_events=k, max_tensors=None), [f"t{i}" for i in range(40)])
     fired, _ = run_monitor(monitor, histories)
     expected = reference_decisions(histories, window, k)
     assert fired == expected
@@ -89,7 +89,7 @@ def test_the_saturation_rule_equals_an_independent_count(window, k):
 
 
 def test_the_evidence_names_the_count_and_the_window():
-    monitor = FallbackMonitor(FallbackPolicy(window=4, min_events=3), ["a", "b"])
+    monitor = FallbackMonitor(FallbackPolicy(window=4, min_events=3, max_tensors=None), ["a", "b"])
     histories = [[1, 0, 1, 1], [0, 0, 0, 1]]
     events, steps = [0, 0], [0, 0]
     decisions = []
@@ -103,7 +103,7 @@ def test_the_evidence_names_the_count_and_the_window():
 
 
 def test_the_sqnr_rule_needs_consecutive_measurements_under_the_floor():
-    monitor = FallbackMonitor(FallbackPolicy(min_events=0, sqnr_floor_db=20.0, sqnr_patience=3), ["a", "b", "c"])
+    monitor = FallbackMonitor(FallbackPolicy(min_events=0, sqnr_floor_db=20.0, sqnr_patience=3, max_tensors=None), ["a", "b", "c"])
     nan = float("nan")
     zeros = torch.zeros(3, dtype=torch.int64)
     # a: 15, (not measured), 15, 25, 15, 15, 15 -> fires at the 7th; b: always 19 -> fires at the 3rd; c: inf (exact)
@@ -120,7 +120,7 @@ def test_the_sqnr_rule_needs_consecutive_measurements_under_the_floor():
 
 def test_state_round_trips_through_a_checkpoint_and_a_foreign_one_is_refused():
     histories = random_histories(12, 50, seed=5)
-    policy = FallbackPolicy(window=6, min_events=3)
+    policy = FallbackPolicy(window=6, min_events=3, max_tensors=None)
     straight = FallbackMonitor(policy, [f"t{i}" for i in range(12)])
     fired_straight, _ = run_monitor(straight, histories)
 
@@ -247,7 +247,11 @@ def test_a_planted_saturating_layer_falls_back_and_nothing_else_does(tiny_model_
         new += fallback_step(model, monitor, step)
     assert [(d["module"], d["operand"], d["step"]) for d in new] == [(planted, "input", 4)]  # 3 events: steps 2-4
     assert new[0]["evidence"] == "saturation events in 3 of its last 3 quantized steps (k=3, W=4)"
-    assert fallen_back(model) == new and layers[planted].input_scaler.algo == "current"
+    assert [{k: v for k, v in d.items() if k != "verified"} for d in fallen_back(model)] == new
+    assert layers[planted].input_scaler.algo == "current"
+    # verified over the W=4 quantized steps after it: current scaling stopped the clipping
+    assert fallen_back(model)[0]["verified"] == {"step": 8, "worked": True,
+                                                 "text": "0 saturation events in the 4 quantized steps since"}
     entry = next(m for m in quantization_inventory(model, LayerSelection(high_precision_layers=1))["modules"]
                  if m["name"] == planted)
     assert entry["fallback"]["input"]["target"] == "current" and entry["quantized"]["input"]
@@ -363,7 +367,9 @@ def test_planted_layers_fall_back_and_a_killed_run_resumes_exactly(tmp_path, tin
         (PLANTED_A[len("model."):] + ".input", step_a), (PLANTED_B[len("model."):] + ".input", step_b)]
     assert summary["tensors"][PLANTED_A[len("model."):] + ".input"]["fallback"]["reason"] == SATURATION
     printed = open(os.path.join(straight.log_dir, "run_summary.txt")).read()
-    assert f"fallback      {PLANTED_A[len('model.'):]}.input -> current at step {step_a} ({SATURATION}: " in printed
+    assert "fallback      2 tensors fell back (1 kind; every decision in saturation_summary.json)" in printed
+    assert (f"              2 {SATURATION} -> current scaling (block 1; input 2; steps {step_a}-{step_b}): "
+            f"{1 + (step_b + 4 <= STEPS - 1)} worked") in printed  # B verified if W=4 steps remained after it
     rows = list(__import__("csv").DictReader(open(os.path.join(straight.log_dir, "metrics.csv"))))
     logged = {int(r["step"]): float(r[FALLBACK_METRIC]) for r in rows if r.get(FALLBACK_METRIC)}
     assert logged[step_a - 1] == 0.0 and logged[step_a] == 1.0 and logged[step_b] == 2.0 and logged[STEPS - 1] == 2.0

@@ -216,6 +216,7 @@ def saturation_stats(run: Run) -> dict | None:
     out["tensors_clipped"] = sorted(names, key=natural_key)
     out["layers_clipped"] = len(out["tensors_clipped"])
     out["fallback"] = list(s.get("fallback") or []) if s is not None else []  # the fallback policy's decisions
+    out["fallback_stopped"] = s.get("fallback_stopped") if s is not None else None  # the budget's stop
     out["headroom"] = s.get("headroom") if s is not None else None  # the what-if headroom (qat_app.hif8.headroom)
     out["forecast"] = s.get("forecast") if s is not None else None  # the saturation forecast, scored
     return out

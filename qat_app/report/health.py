@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import re
 
+from ..hif8.fallback import pending_verification
+from ..hif8.fallback_summary import summary_lines as fallback_lines
 from ..hif8.health import TIERS, WHATIF_ALGOS
 from ..hif8.inventory import OPERANDS
 from ..hif8.recipe import DEFAULT_BLOCK_PATTERN
@@ -415,18 +417,31 @@ def render_forecast(results: list[dict]) -> list[str]:
 
 
 def render_fallback(results: list[dict]) -> list[str]:
-    """Markdown lines: every tensor the fallback policy switched, per QAT run (or one line: none did)."""
+    """Markdown lines: per QAT run the decisions grouped by symptom and remedy (with their verification and the
+    budget's stop), then every tensor the fallback policy switched (or one line: none did)."""
     lines = ["", "## Automatic fallback", ""]
     decided = [(r["label"], d) for r in results for d in ((r.get("saturation") or {}).get("fallback") or [])]
-    if not decided:
+    stops = [(r["label"], (r.get("saturation") or {}).get("fallback_stopped")) for r in results]
+    if not decided and not any(stop for _, stop in stops):
         return lines + ["No tensor fell back (the policy is opt-in: `--fallback.enabled true`; "
                         "`saturation_summary.json` lists its decisions)."]
-    lines += ["A tensor fell back, for the rest of its run, to current scaling or to high precision when its saturation "
-              "persisted or its SQNR stayed under the floor (`callbacks.fallback`); the step is the one whose counters "
-              "decided. An export keeps it that way.", "",
-              "| run | tensor | fell back to | at step | rule | evidence |", "|---|---|---|---:|---|---|"]
+    lines += ["A tensor fell back, for the rest of its run, to the remedy of its symptom (`callbacks.fallback`): "
+              "persistent saturation to `fallback.policy.on_saturation` (default current scaling), an SQNR under the "
+              "floor to `on_low_sqnr` (high precision); the step is the one whose counters decided, and each decision "
+              "was then verified (high precision: never quantized again; current scaling: no saturation event in the "
+              "window after it). An export keeps it that way.", ""]
+    for label, stop in stops:
+        entries = [d for run, d in decided if run == label]
+        if entries or stop:
+            lines += [f"- `{label}`: " + fallback_lines(entries, stop, prefix="", indent="")[0]]
+            lines += [f"  - {line}" for line in fallback_lines(entries, stop, prefix="", indent="")[1:]]
+    lines += ["", "| run | tensor | fell back to | at step | rule | evidence | verified |", "|---|---|---|---:|---|---|---|"]
     for label, d in decided:
-        lines.append(f"| `{label}` | `{d['tensor']}` | {d['target']} | {d['step']} | {d['reason']} | {d['evidence']} |")
+        verified = d.get("verified")
+        check = pending_verification(d) or (("worked" if verified["worked"] else "**did not work**")
+                                            + f" (step {verified['step']}: {verified['text']})")
+        lines.append(f"| `{label}` | `{d['tensor']}` | {d['target']} | {d['step']} | {d['reason']} | {d['evidence']} "
+                     f"| {check} |")
     return lines
 
 
