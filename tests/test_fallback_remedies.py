@@ -31,6 +31,8 @@ from qat_app.hif8.fallback_summary import group_decisions, summary_lines
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.sqnr_bound import gaussian_sqnr_bound
 from qat_app.hif8.training import sync_and_advance
+from qat_app.report.health import health_stats, render_health
+from qat_app.report.runs import load_run
 from tests._cli_runs import SimulatedCrash, write_config
 
 
@@ -241,6 +243,14 @@ def test_low_sqnr_operands_leave_the_8bit_figures_and_a_killed_run_resumes_exact
         tensor = f"{d['module'][len('model.'):]}.{d['operand']}"
         assert max(series[tensor]) <= d["step"]  # no 8-bit SQNR of it after the step that decided
         assert summary["tensors"][tensor]["health"]["unquantized_since"] == d["step"]
+    # the report's health table says it: the last 8-bit SQNR, then high precision
+    health = health_stats(load_run(straight.log_dir))
+    rows = [line for line in render_health([{"label": "qat", "health": health}], top=len(health["tensors"]))
+            if "(high precision after step" in line]
+    assert sorted(rows) == sorted(line for line in rows for d in low
+                                  if f"`{d['module'][len('model.'):]}.{d['operand']}`" in line
+                                  and f"(high precision after step {d['step']})" in line)
+    assert len(rows) == len(low)
     printed = open(os.path.join(straight.log_dir, "run_summary.txt")).read().splitlines()
     fallback_lines = [line for line in printed if line.startswith("fallback ") or (
         line.startswith("              ") and "-> high precision" in line)]

@@ -98,8 +98,9 @@ def cumulative(series: dict[int, float]) -> dict[int, float]:
 
 
 # ----------------------------------------------------------------------------------------------- health
-def _tensor_entry(worst_db, worst_step, last: dict | None) -> dict:
-    return {"worst_sqnr_db": worst_db, "worst_sqnr_step": worst_step, "last": last}
+def _tensor_entry(worst_db, worst_step, last: dict | None, unquantized_since: int | None = None) -> dict:
+    return {"worst_sqnr_db": worst_db, "worst_sqnr_step": worst_step, "last": last,
+            "unquantized_since": unquantized_since}
 
 
 def _health_from_summary(summary: dict) -> dict[str, dict]:
@@ -108,7 +109,8 @@ def _health_from_summary(summary: dict) -> dict[str, dict]:
     for name, tensor in (summary.get("tensors") or {}).items():
         health = tensor.get("health") if isinstance(tensor, dict) else None
         if isinstance(health, dict) and health.get("last"):
-            entries[name] = _tensor_entry(health.get("worst_sqnr_db"), health.get("worst_sqnr_step"), health["last"])
+            entries[name] = _tensor_entry(health.get("worst_sqnr_db"), health.get("worst_sqnr_step"), health["last"],
+                                          health.get("unquantized_since"))  # a fallback to high precision
     for item in summary.get("health_worst") or []:
         if isinstance(item, dict) and item.get("tensor") and item["tensor"] not in entries:
             entries[item["tensor"]] = _tensor_entry(item.get("worst_sqnr_db"), item.get("step"), item.get("last"))
@@ -272,6 +274,12 @@ def _tiers_cell(last: dict | None) -> str:
     return " / ".join(_fmt(None if last.get(f) is None else 100 * last[f], ".1f") for f in TIER_FIGURES)
 
 
+def _last_sqnr_cell(last: dict, unquantized_since: int | None) -> str:
+    """The last 8-bit SQNR; for an operand that fell back to high precision, said so: it has no 8-bit error since."""
+    value = _fmt(last.get("sqnr_db"), ".2f")
+    return value if unquantized_since is None else f"{value} (high precision after step {unquantized_since})"
+
+
 def render_health(results: list[dict], top: int = TOP_TENSORS) -> list[str]:
     """Markdown lines: the run-level figures side by side, then each run's worst tensors by SQNR."""
     tier_names = " / ".join(TIERS)
@@ -309,7 +317,7 @@ def render_health(results: list[dict], top: int = TOP_TENSORS) -> list[str]:
         for rank, t in enumerate(shown, start=1):
             last = t["last"] or {}
             cells = [str(rank), f"`{t['tensor']}`", _fmt(t["worst_sqnr_db"], ".2f"), _fmt(t["worst_sqnr_step"], "d"),
-                     _fmt(last.get("sqnr_db"), ".2f"), _fmt(last.get("underflow_frac"), ".2e"),
+                     _last_sqnr_cell(last, t.get("unquantized_since")), _fmt(last.get("underflow_frac"), ".2e"),
                      _fmt(last.get("outlier_factor"), ".3g"), _tiers_cell(last)]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
