@@ -18,7 +18,7 @@ import logging
 
 import lightning as L
 
-from qat_app.errors import ConfigError
+from qat_app.errors import ConfigError, settings_of
 from qat_app.hif8.errors import FieldError
 from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, check_reachable_floor, fallback_step,
                                    quantized_tensors, read_counters, scaler_pairs)
@@ -30,6 +30,7 @@ from .warmup import BF16WarmupCallback
 log = logging.getLogger(__name__)
 
 FALLBACK_METRIC = "fallback/tensors"
+POLICY = "fallback.policy"  # where the policy's settings live on the command line
 
 
 def check_fallback(policy: FallbackPolicy, *, warmup_steps: int, max_steps: int, health: bool, recipe=None) -> None:
@@ -45,22 +46,19 @@ def check_fallback(policy: FallbackPolicy, *, warmup_steps: int, max_steps: int,
         raise ConfigError("fallback.policy.sqnr_floor_db needs the SQNR measured: set saturation.health true "
                           "(it is measured every trainer.log_every_n_steps)")
     if recipe is not None:
-        try:
+        with settings_of(POLICY):
             check_reachable_floor(policy, recipe.format, recipe.resolved_max_val)
-        except FieldError as err:
-            raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
 
 
 def make_policy(policy) -> FallbackPolicy:
     """The core's policy from what the command line gave (a policy, or a dict), its errors named ``fallback.policy.*``."""
+    if isinstance(policy, FallbackPolicy):
+        return policy
     try:
-        if isinstance(policy, FallbackPolicy):
-            return policy
-        return FallbackPolicy(**(policy.as_dict() if hasattr(policy, "as_dict") else dict(policy or {})))
-    except FieldError as err:
-        raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
+        with settings_of(POLICY):
+            return FallbackPolicy(**(policy.as_dict() if hasattr(policy, "as_dict") else dict(policy or {})))
     except TypeError as err:  # an unknown key of a dict
-        raise ConfigError(f"fallback.policy: {err}") from None
+        raise ConfigError(f"{POLICY}: {err}") from None
 
 
 class FallbackCallback(L.Callback):
@@ -108,10 +106,8 @@ class FallbackCallback(L.Callback):
         model = getattr(pl_module, "model", None)
         tensors = quantized_tensors(model) if model is not None else []
         if tensors:
-            try:  # a budget above the model's quantized tensors, named before anything is written
+            with settings_of(POLICY):  # a budget above the model's quantized tensors, named before anything is written
                 self.policy.budget(len(tensors))
-            except FieldError as err:
-                raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._seen_step = trainer.global_step
@@ -121,10 +117,7 @@ class FallbackCallback(L.Callback):
         if not tensors:
             log.warning("fallback: the model has no quantized tensor (quant.enabled=false?); nothing can fall back")
             return
-        try:
-            self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)
-        except FieldError as err:  # a budget above the number of quantized tensors
-            raise ConfigError(f"fallback.policy.{err.field}{err.sep}{err.message}") from None
+        self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)  # its budget: checked at setup
         self._fallen_back = sum(operand in layer.fallback for _, layer, operand in tensors)
         if self._saved is not None:
             try:

@@ -37,9 +37,8 @@ import os
 import lightning as L
 import torch
 
-from qat_app.errors import ConfigError
+from qat_app.errors import ConfigError, settings_of
 from qat_app.hif8.counters import HEALTH, as_rows, gather_columns
-from qat_app.hif8.errors import FieldError
 from qat_app.hif8.fallback import fallen_back, quantized_tensors, scaler_pairs
 from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.formats import saturation_threshold
@@ -105,10 +104,8 @@ def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN, tens
     if grid is None:  # the default grid, up to the format's largest finite value (E4M3: 448)
         top = layer.format.max_finite
         grid = [v for v in DEFAULT_GRID if v < top] + [top]
-    try:
+    with settings_of("saturation"):
         values = validate_grid(grid, layer.format.name, "headroom_grid")
-    except FieldError as err:
-        raise ConfigError(f"saturation.{err.field}{err.sep}{err.message}") from None
     values = tuple(sorted(set(values) | set(run_max_val.values())))
     return values, run_max_val, layer.format.name, float(scaler.margin), bool(scaler.power_2), block_pattern
 

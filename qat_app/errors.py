@@ -9,6 +9,7 @@ is a bug and keeps its traceback. All input errors are also ``ValueError`` subcl
 from __future__ import annotations
 
 import difflib
+from contextlib import contextmanager
 
 
 def nearest(word, choices, n: int = 1) -> list[str]:
@@ -30,6 +31,18 @@ class QATError(Exception):
 
 class ConfigError(QATError, ValueError):
     """A setting is invalid; the message names the field (``model.lr``, ``data.global_batch_size``, ...)."""
+
+
+@contextmanager
+def settings_of(section: str):
+    """Raise a core :class:`~qat_app.hif8.errors.FieldError` inside as a :class:`ConfigError` naming
+    ``<section>.<field>``: the core names its own fields, the command line adds where they live."""
+    from .hif8.errors import FieldError  # here, not at the top: importing the core imports torch
+
+    try:
+        yield
+    except FieldError as err:
+        raise ConfigError(f"{section}.{err.field}{err.sep}{err.message}") from None
 
 
 class CheckpointError(QATError, ValueError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from qat_app.errors import ConfigError, did_you_mean
+from qat_app.errors import ConfigError, did_you_mean, settings_of
 
 
 def world_size(trainer_cfg) -> int:
@@ -121,15 +121,12 @@ def check_gemm(cfg) -> None:
         return
     import torch
 
-    from qat_app.hif8.errors import FieldError
     from qat_app.hif8.gemm import resolve_gemm
 
     accelerator = str(cfg.trainer.get("accelerator") or "auto")
     cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    try:
+    with settings_of("model.quant"):
         resolve_gemm("fp8", "cuda" if cuda else "cpu")
-    except FieldError as err:
-        raise ConfigError(f"model.quant.{err.field}{err.sep}{err.message}") from None
 
 
 def derive_gradient_accumulation(cfg) -> None:

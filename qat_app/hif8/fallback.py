@@ -212,13 +212,13 @@ class FallbackMonitor:
             under = measured & (sqnr_db < self.policy.sqnr_floor_db)
             self.low_sqnr = torch.where(measured, torch.where(under, self.low_sqnr + 1, 0), self.low_sqnr)
             low = self.low_sqnr >= self.policy.sqnr_patience
+        if self.stopped is not None:  # the evidence above is kept; no decision is taken any more
+            return []
         eligible = eligible if eligible is not None else torch.ones(n, dtype=torch.bool)
         saturating &= saturation_eligible if saturation_eligible is not None else eligible
         low &= eligible
         decisions = [self._decision(index, bool(saturating[index]), in_window, quantized_steps, sqnr_db)
                      for index in (saturating | low).nonzero().flatten().tolist()]
-        if self.stopped is not None:
-            return []
         if decisions and self.budget is not None and already + len(decisions) > self.budget:
             self.stopped = {"qualified": len(decisions), "already": already, "budget": self.budget,
                             "diagnosis": self._diagnosis(decisions, in_window, sqnr_db)}

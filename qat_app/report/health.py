@@ -441,8 +441,8 @@ def render_fallback(results: list[dict]) -> list[str]:
     for label, stop in stops:
         entries = [d for run, d in decided if run == label]
         if entries or stop:
-            lines += [f"- `{label}`: " + fallback_lines(entries, stop, prefix="", indent="")[0]]
-            lines += [f"  - {line}" for line in fallback_lines(entries, stop, prefix="", indent="")[1:]]
+            first, *rest = fallback_lines(entries, stop, prefix="", indent="")
+            lines += [f"- `{label}`: {first}"] + [f"  - {line}" for line in rest]
     lines += ["", "| run | tensor | fell back to | at step | rule | evidence | verified |", "|---|---|---|---:|---|---|---|"]
     for label, d in decided:
         verified = d.get("verified")
