@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,3 +40,44 @@ def test_a_checkpoint_without_the_precision_keeps_bfloat16(tmp_path, tiny_model_
     torch.save(state, tmp_path / "old.ckpt")
     storage, why = run_dtype(load_qat_checkpoint(tmp_path / "old.ckpt"))
     assert storage == "bfloat16" and "does not record the run's precision" in why
+
+
+@pytest.mark.slow
+def test_a_bf16_mixed_fits_export_holds_the_codes_it_trained_with(tmp_path, tiny_model_dir, tiny_corpus, capsys):
+    """A bf16-mixed fit quantizes bf16(w) * s: with the defaults, every exported code (HiF8 and FP8) is en_dtypes'
+    code of exactly that, and the float32 codes the export used to default to differ (counted by an override)."""
+    en_dtypes = pytest.importorskip("en_dtypes")
+    from safetensors.torch import load_file
+
+    from qat_app.export.layout import WEIGHTS_FILE
+    from qat_app.export.writer import changed_codes
+    from qat_app.hif8.linear import HiF8Linear
+    from tests._cli_runs import checkpointed_fit
+
+    checkpointed_fit(tmp_path / "run", tiny_model_dir, tiny_corpus, **{"trainer.precision": "bf16-mixed"})
+    ckpt = str(tmp_path / "run" / "ckpt" / "last.ckpt")
+    module = load_qat_checkpoint(ckpt)
+    layers = {name.removeprefix("model."): m for name, m in module.named_modules() if isinstance(m, HiF8Linear)}
+    assert layers and all(m.quantize_weights for m in layers.values())
+
+    def trained_codes(layer) -> np.ndarray:  # en_dtypes' HiF8 of clamp(bf16(w) * s, +-15)
+        scaled = (layer.weight.detach().bfloat16().float() * layer.weight_scaler.scale.float()).clamp(-15, 15)
+        return scaled.numpy().astype(en_dtypes.hifloat8).view(np.uint8)
+
+    assert export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "h8")]) == 0
+    assert "weight codes computed in bfloat16 (the run's precision bf16-mixed" in capsys.readouterr().out
+    exported = load_file(str(tmp_path / "h8" / WEIGHTS_FILE))
+    assert export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "fp8"), "--format", "compressed-tensors"]) == 0
+    fp8 = {k: v for f in (tmp_path / "fp8").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    for name, layer in layers.items():
+        expected = trained_codes(layer)
+        assert np.array_equal(exported[f"{name}.weight.codes"].numpy(), expected), name
+        served = fp8[f"{name}.weight"].float() / 16  # E4M3 holds the grid values x 16 (exactly, above the tail)
+        grid = torch.from_numpy(expected.view(en_dtypes.hifloat8).astype(np.float32))
+        exact = grid.abs() >= 2.0**-12
+        assert torch.equal(served[exact], grid[exact]), name
+    trained, total = changed_codes(module.model, torch.bfloat16, torch.float32)
+    assert 0 < trained < total  # what the float32 default wrote: codes that were never trained
+    assert export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "h8f"), "--compute-dtype", "float32"]) == 0
+    assert (f"--compute-dtype float32: {trained:,} of {total:,} weight codes differ from the ones the run trained "
+            "with (bfloat16, the run's precision bf16-mixed)") in capsys.readouterr().out

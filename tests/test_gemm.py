@@ -167,6 +167,30 @@ def test_fp8_exact_tail_equals_the_emulation_up_to_the_accumulation_order(shape)
     assert ((fp8.double() - emulated.double()).abs() <= accumulation_bound(a, b)).all()
 
 
+def coarse_grid_operand(shape, scale: float, seed: int) -> Operand:
+    """HiF8 grid values of magnitude 1..15 (multiples of 1/8) under a ``scale`` that is no power of two: with K <= 64
+    every partial sum of products is a multiple of 2^-6 under 2^14, exact in fp32, so any accumulation order gives
+    the same accumulator and the GEMMs may differ only in how they decode it."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = 1 + torch.randint(0, 8 * 14 + 1, shape, generator=gen) / 8.0
+    values = get_format("hif8").round_f32(magnitude * torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0))
+    return Operand(values, torch.tensor(scale))
+
+
+@pytest.mark.parametrize("tail", FP8_TAILS)
+@pytest.mark.parametrize("scales", [(2.7, 41.3), (0.37, 15 / 7.3), (15 / 3.1, 15 / 0.093)])
+def test_fp8_applies_the_emulated_decode_factor_once(tail, scales):
+    """Where the accumulation is exact, fp8 and emulated agree bit for bit: one factor 1 / (s_a s_b) rounded once
+    (the two decode scales rounded apart, as _scaled_mm's two scale arguments invite, differ for such scales)."""
+    a, b = coarse_grid_operand((48, 64), scales[0], seed=1), coarse_grid_operand((40, 64), scales[1], seed=2).t()
+    emulated = scaled_mm(a, b, torch.float32)
+    fp8 = scaled_mm(a, b, torch.float32, tail)
+    assert torch.equal(fp8, emulated), f"{int((fp8 != emulated).sum())} of {fp8.numel()} differ"
+    accumulator = a.values @ b.values  # exact here
+    apart = accumulator * (1 / (a.scale.double() * 16)).float() * (1 / (b.scale.double() * 16)).float() * 256
+    assert not torch.equal(apart, emulated)  # what two separately rounded scales would give: the test can fail
+
+
 def test_fp8_drop_leaves_out_the_tail_and_its_error_is_measured():
     a, b = grid_operand((40, 96), 2.7, seed=3, tiny=11), grid_operand((24, 96), 41.3, seed=4, tiny=7).t()
     dropped = scaled_mm(a, b, torch.float32, TAIL_DROP)

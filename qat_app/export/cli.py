@@ -21,7 +21,7 @@ from ..hif8.inventory import INVENTORY_FILE, inventory_summary
 from .compressed import DEFAULT_SERVE_TARGET, FORMAT_NAME, SERVE_TARGETS, export_compressed_tensors, summary_line
 from .hf import export_hf
 from .layout import ExportError, checkpoint_bytes
-from .qat_checkpoint import load_qat_checkpoint, run_dtype
+from .qat_checkpoint import load_qat_checkpoint, run_compute_dtype, run_dtype
 from .writer import export_hif8
 
 
@@ -57,7 +57,9 @@ def export_parser(prog: str) -> ProgramParser:
                              "computed them in: float32 for 32-true, bfloat16 for bf16-mixed); hf: parameter dtype "
                              "(default unchanged)")
     parser.add_argument("--compute-dtype", default=None,
-                        help="dtype the quantized linears ran in (default: the weights'; bfloat16 for bf16-mixed training)")
+                        help="dtype the weight codes are computed in (default: the one the run computed its quantized "
+                             "linears in: bfloat16 for bf16-mixed, float32 for 32-true; an override says how many "
+                             "codes it changed)")
     parser.add_argument("--hf-weights", choices=("master", "quantized"), default="master",
                         help="hf: trained high-precision weights, or the fake-quantized 8-bit-grid weights")
     parser.add_argument("--serve-target", choices=tuple(SERVE_TARGETS), default=DEFAULT_SERVE_TARGET,
@@ -112,6 +114,8 @@ def run_export(args: argparse.Namespace, lightning_args: list[str]) -> None:
     storage, why = run_dtype(module)
     if args.format != "hf":
         _say_storage(args.dtype, storage, why)
+    if args.format != "hf" or args.hf_weights == "quantized":
+        args.compute_dtype = _compute_dtype(module, args.compute_dtype)
     if args.format == "hif8":
         layout = export_hif8(module, args.out, dtype=args.dtype or storage, compute_dtype=args.compute_dtype,
                              overwrite=args.overwrite)
@@ -146,6 +150,24 @@ def _say_storage(asked: str | None, storage: str, why: str) -> None:
         print(f"--dtype {asked}: the unquantized tensors are rounded from the run's {storage} ({why}); on the CPU "
               "quickstart (32-true) the BF16 FP8 export served by vLLM lost 0.9% perplexity [0.4%, 1.5%] against "
               "-0.2% [-0.8%, +0.4%] stored and served in float32")
+
+
+def _compute_dtype(module, asked: str | None) -> str | None:
+    """The dtype the codes are computed in: the run's, or ``asked``; one line on which, and on what an override
+    changed (the codes that differ from the ones the run trained with)."""
+    from qat_app.models import resolve_dtype
+
+    from .writer import changed_codes
+
+    trained, why = run_compute_dtype(module)
+    if asked is None:
+        print(f"weight codes computed in {trained or 'the weights dtype'} ({why}; --compute-dtype overrides)")
+        return trained
+    if trained is not None and resolve_dtype(asked) != resolve_dtype(trained):
+        changed, total = changed_codes(module.model, resolve_dtype(trained), resolve_dtype(asked))
+        print(f"--compute-dtype {asked}: {changed:,} of {total:,} weight codes differ from the ones the run trained "
+              f"with ({trained}, {why})")
+    return asked
 
 
 def _datamodule(lightning_args: list[str]):

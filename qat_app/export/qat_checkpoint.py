@@ -59,6 +59,18 @@ PRECISION_DTYPES = {"32-true": "float32", "32": "float32", "64-true": "float32",
                     "bf16-true": "bfloat16", "bf16": "bfloat16", "16-mixed": "float16", "16-true": "float16",
                     "16": "float16"}
 FALLBACK_DTYPE = "bfloat16"
+# Lightning precision -> the dtype its quantized linears computed in (what the weight's codes are the codes of:
+# under bf16-mixed, bf16(w) * s, whatever the master weights' dtype)
+COMPUTE_DTYPES = {**PRECISION_DTYPES, "64-true": "float64", "64": "float64"}
+
+
+def run_compute_dtype(module) -> tuple[str | None, str]:
+    """(the dtype ``module``'s run computed its quantized linears in, why), read from the checkpoint's precision;
+    None (each layer's weight dtype) for a checkpoint that does not record it."""
+    precision = getattr(module, "run_precision", None)
+    if precision in COMPUTE_DTYPES:
+        return COMPUTE_DTYPES[precision], f"the run's precision {precision}"
+    return None, "the checkpoint does not record the run's precision (written by an older main): the weights' dtype"
 
 
 def run_dtype(module) -> tuple[str, str]:

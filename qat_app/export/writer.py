@@ -56,6 +56,25 @@ def quantize_experts_param(experts: HiF8Experts, param: str, compute_dtype: torc
     return torch.stack(codes), torch.stack(scales), torch.stack(dequantized)
 
 
+@torch.no_grad()
+def changed_codes(model: nn.Module, trained: torch.dtype, other: torch.dtype) -> tuple[int, int]:
+    """(weight codes that differ when computed in ``other`` instead of ``trained``, all weight codes) over the
+    quantized matmuls of ``model`` whose weights are quantized."""
+    owners = []  # (weight, the module whose weight scaler quantizes it)
+    for module in model.modules():
+        if isinstance(module, HiF8Linear) and module.quantize_weights:
+            owners.append((module.weight, module))
+        elif isinstance(module, HiF8Experts):
+            owners += [(weight, proj) for param, _ in EXPERT_PARAMS for proj, weight in module.projections(param)
+                       if proj.quantize_weights]
+    changed = total = 0
+    for weight, owner in owners:
+        codes = _quantize_tensor(weight, owner, trained)[0]
+        changed += int((codes != _quantize_tensor(weight, owner, other)[0]).sum())
+        total += codes.numel()
+    return changed, total
+
+
 class _Tensors:
     """The tensors of the safetensors file and their layout entries, in the order they were added."""
 

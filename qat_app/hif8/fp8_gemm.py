@@ -14,8 +14,9 @@ the scale: HiF8's denormals and 1-bit tier there, which E4M3 would round), follo
   the GEMM work.
 
 ``torch._scaled_mm`` takes a row-major first operand and a column-major second one, both with dimensions padded
-here to multiples of 16 (zeros: they add nothing), and the two decode scales ``1 / (s shift)``; its fp32 outputs
-are summed, the bias is added and the result rounded once to the output dtype. It runs on FP8 tensor cores
+here to multiples of 16 (zeros: they add nothing). The decode factor is the emulated GEMM's, ``1 / (s_a s_b)``
+rounded once to float32, times the shifts' inverse (powers of two: exact), so FP8 and emulation differ only in
+the accumulation order; the bias is added and the result rounded once to the output dtype. It runs on FP8 tensor cores
 (CUDA sm89 and later) and, in torch >= 2.13, on the CPU (exactly: tests compare it with the emulation).
 """
 
@@ -80,29 +81,35 @@ def e4m3_decode_scale(scale: torch.Tensor, max_val: float) -> torch.Tensor:
     return torch.reciprocal(scale.double() * shift_for(max_val)).float()
 
 
-def e4m3_parts(values: torch.Tensor, scale: torch.Tensor, max_val: float, tail: str
-               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Grid values ``[rows, K]`` -> ``[(E4M3 tensor, decode scale)]``: the main part, and the tail (``exact``).
+def e4m3_parts(values: torch.Tensor, max_val: float, tail: str) -> list[tuple[torch.Tensor, float]]:
+    """Grid values ``[rows, K]`` -> ``[(E4M3 tensor, shift)]``: the main part, and the tail (``exact``).
 
-    Each E4M3 tensor is padded to multiples of 16 and row-major; value x decode scale is the grid value / s."""
+    Each E4M3 tensor is padded to multiples of 16 and row-major and holds its grid values times ``shift`` (a power
+    of two, so dividing by it again is exact)."""
     padded = _pad(values.float())
     e4m3, exact = grid_to_e4m3(padded, max_val)
     main = e4m3.view(torch.uint8).masked_fill(~exact, 0).view(E4M3)  # the tail left out (0x00 is +0)
-    parts = [(main, e4m3_decode_scale(scale.reshape(()), max_val))]
+    parts = [(main, shift_for(max_val))]
     if tail == TAIL_EXACT:
-        shifted_tail = padded * (shift_for(max_val) * TAIL_SHIFT)  # a power of two: exact
-        tail_scale = e4m3_decode_scale(scale.reshape(()).double() * TAIL_SHIFT, max_val)
-        parts.append((torch.where(exact, 0.0, shifted_tail).to(E4M3), tail_scale))
+        tail_shift = shift_for(max_val) * TAIL_SHIFT
+        parts.append((torch.where(exact, 0.0, padded * tail_shift).to(E4M3), tail_shift))  # a power of two: exact
     return parts
 
 
-def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, a_max_val: float, b_t: torch.Tensor, b_scale: torch.Tensor,
-           b_max_val: float, tail: str) -> torch.Tensor:
-    """``a @ b_t.T`` (``a`` ``[M, K]``, ``b_t`` ``[N, K]`` grid values) divided by ``s_a s_b``: fp32 ``[M, N]``."""
+def fp8_mm(a: torch.Tensor, a_max_val: float, b_t: torch.Tensor, b_max_val: float, decode: torch.Tensor,
+           tail: str) -> torch.Tensor:
+    """``(a @ b_t.T) x decode`` (``a`` ``[M, K]``, ``b_t`` ``[N, K]`` grid values; ``decode`` the emulated GEMM's one
+    float32 factor ``1 / (s_a s_b)``, rounded once): fp32 ``[M, N]``, the emulated product up to the accumulation
+    order. ``_scaled_mm``'s scales only take the shifts off (powers of two: exact whether it applies them to
+    the operands, as the CPU's does, or to the accumulator), so each part is in grid units; the factor multiplies
+    their fp32 sum."""
     rows, cols = a.shape[0], b_t.shape[0]
+    parts_a, parts_b = e4m3_parts(a, a_max_val, tail), e4m3_parts(b_t, b_max_val, tail)
+    one = torch.ones((), dtype=torch.float32, device=a.device)
     out = None
-    for a8, sa in e4m3_parts(a, a_scale, a_max_val, tail):
-        for b8, sb in e4m3_parts(b_t, b_scale, b_max_val, tail):
-            part = torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-            out = part if out is None else out + part
-    return out[:rows, :cols]
+    for a8, shift_a in parts_a:
+        for b8, shift_b in parts_b:
+            part = torch._scaled_mm(a8, b8.t(), scale_a=one * (1.0 / shift_a), scale_b=one * (1.0 / shift_b),
+                                    out_dtype=torch.float32)
+            out = part if out is None else out.add_(part)
+    return out.mul_(decode.reshape(()).float())[:rows, :cols]

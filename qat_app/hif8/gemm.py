@@ -114,7 +114,7 @@ def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, fp8_tail: str | No
         out = a.values.to(out_dtype) @ b.values.to(out_dtype)
         return out if bias is None else out + bias.to(out_dtype)
     if fp8_tail is not None and a.quantized and b.quantized:
-        accumulator = fp8_mm(a.values, a.scale, a.max_val, b.values.t(), b.scale, b.max_val, fp8_tail)
+        accumulator = fp8_mm(a.values, a.max_val, b.values.t(), b.max_val, decode_factor(a.scale, b.scale), fp8_tail)
     else:  # in place: the accumulator is a fresh tensor (one pass over the output, no second one)
         accumulator = _fp32_accumulate(a.values, b.values).mul_(decode_factor(a.scale, b.scale))
     if bias is not None:

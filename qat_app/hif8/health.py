@@ -48,7 +48,9 @@ import os
 
 import torch
 
-from .backends.reference import clipped_under, current_scale, raw_current_scale
+from .backends import compiled as compiled_backend
+from .backends.compiled import compiles_exact_division
+from .backends.reference import current_scale, raw_current_scale, whatif_counts
 from .formats import Float8Format, _f32_bits, _mantissa_bits
 from .recipe import AMAX_ALGOS
 
@@ -109,24 +111,47 @@ def measure_health(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Fl
     being summed in another order)."""
     x = x.detach()
     if grid is None:
-        joint_index, sums = _run(_rounded_parts, fused, x, scale.detach(), float(max_val), fmt, noise)
-    else:
+        if _divides_exactly(fused, x):
+            joint_index, sums = _run(_rounded_parts, fused, x, scale.detach(), float(max_val), fmt, noise)
+            return _health_vector(joint_index, sums)
+        grid = _run(_rounded_grid, fused, x, scale.detach(), float(max_val), fmt, noise)
+    if _divides_exactly(fused, x):
         joint_index, sums = _run(_health_parts, fused, x, grid.detach(), scale.detach(), fmt)
+    else:  # the division in plain torch (see :func:`_divides_exactly`), the rest compiled
+        dequantized = (grid.detach().float() / scale.detach().to(x.device)).to(x.dtype)
+        joint_index, sums = _run(_dequantized_parts, fused, x, grid.detach(), dequantized, fmt)
     return _health_vector(joint_index, sums)
+
+
+def _divides_exactly(fused: str, x: torch.Tensor) -> bool:
+    """Whether a division may run inside the compiled functions for ``x`` (plain torch, or inductor's C++ on the
+    CPU); inductor's Triton code divides approximately, so on CUDA the division runs in plain torch."""
+    return fused == "off" or compiles_exact_division(x.device.type)
+
+
+def _rounded_grid(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Float8Format,
+                  noise: torch.Tensor | None) -> torch.Tensor:
+    """The grid values of ``x`` (float32), rounded as the backends round them."""
+    return fmt.round_f32((x.float() * scale).clamp(-max_val, max_val), noise)
 
 
 def _rounded_parts(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Float8Format,
                    noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_health_parts` of ``x`` rounded here, as the backends round it."""
-    return _health_parts(x, fmt.round_f32((x.float() * scale).clamp(-max_val, max_val), noise), scale, fmt)
+    return _health_parts(x, _rounded_grid(x, scale, max_val, fmt, noise), scale, fmt)
 
 
 def _health_parts(x: torch.Tensor, grid: torch.Tensor, scale: torch.Tensor,
                   fmt: Float8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_dequantized_parts` with the dequantized tensor ``(q / scale)`` in ``x``'s dtype computed here."""
+    return _dequantized_parts(x, grid, (grid.float() / scale).to(x.dtype), fmt)
+
+
+def _dequantized_parts(x: torch.Tensor, grid: torch.Tensor, dequantized: torch.Tensor,
+                       fmt: Float8Format) -> tuple[torch.Tensor, torch.Tensor]:
     """One elementwise pass: the joint (tier of q, bin of |x|) index of every element (int32) and the float64
-    ``[sum x^2, sum (x - q / scale)^2]``."""
+    ``[sum x^2, sum (x - dequantized)^2]``."""
     xf, q = x.float(), grid.float()
-    dequantized = (q / scale).to(x.dtype)
     joint_index = (precision_tier(q, fmt) * HIST_BINS + magnitude_bin(xf)).reshape(-1).to(torch.int32)
     signal = xf.double().reshape(-1)
     error = signal - dequantized.double().reshape(-1)
@@ -193,16 +218,6 @@ def summarize(health: torch.Tensor, amax: torch.Tensor) -> dict[str, torch.Tenso
 
 
 # ----------------------------------------------------------------------------------------------- what-if
-def _count_whatif(x: torch.Tensor, scales_and_amax: torch.Tensor, max_val: float, margin: float,
-                  threshold: float, power_2: bool = False) -> torch.Tensor:
-    """int64 [len(WHATIF_ALGOS)]: elements of ``x`` clipped under each estimator's scale. ``scales_and_amax``:
-    the delayed estimators' scales in :data:`DELAYED_ALGOS` order, then ``x``'s amax, from which current
-    scaling takes its scale as ``fake_quantize_current`` does (falling back to most_recent's scale)."""
-    delayed, amax = scales_and_amax[: len(DELAYED_ALGOS)], scales_and_amax[len(DELAYED_ALGOS)]
-    current = current_scale(amax, max_val, margin, delayed[DELAYED_ALGOS.index("most_recent")], power_2)
-    return clipped_under(x.float().abs(), torch.cat([delayed, current.reshape(1)]), threshold)
-
-
 def current_never_clips(max_val: float, margin: float, threshold: float) -> bool:
     """Whether current scaling provably clips nothing of a tensor whose amax gives it a usable scale, so that its
     what-if count needs no pass of its own: with ``margin >= 0`` the scale ``s <= fl(max_val / amax)`` (a division
@@ -228,18 +243,21 @@ def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Te
     """The what-if clipped counts of ``x`` (int64 [len(WHATIF_ALGOS)], device ops only): under the scales of the
     delayed estimators (:data:`DELAYED_ALGOS` order) and under current scaling from ``amax`` (``x``'s).
 
-    ``fused``: see :func:`_run`. The small inputs travel in one new tensor, so that the compiled function does
-    not see the scaler's buffer views (each view's offset would be another compilation).
+    ``fused``: see :func:`_run`. The scales travel in one new tensor, so that the compiled function does not see
+    the scaler's buffer views (each view's offset would be another compilation).
     """
-    scales_and_amax = torch.cat([delayed_scales, amax.float().reshape(1)])
-    return _run(_count_whatif, fused, x.detach(), scales_and_amax, float(max_val), float(margin), float(threshold),
-                bool(power_2))
+    most_recent = delayed_scales[DELAYED_ALGOS.index("most_recent")]
+    # current scaling takes its scale as ``fake_quantize_current`` does, in plain torch (a compiled division on CUDA
+    # is approximate), falling back to most_recent's scale
+    current = current_scale(amax.float().reshape(()), max_val, margin, most_recent, power_2)
+    scales = torch.cat([delayed_scales, current.reshape(1)])
+    return _run(whatif_counts, fused, x.detach(), scales, float(threshold))
 
 
 # ----------------------------------------------------------------------------------------------- how they run
 @functools.lru_cache(maxsize=None)
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True)
+def _compiled(fn, compiler):
+    return torch.compile(fn, dynamic=True, backend=compiler)
 
 
 _compile_failed: set = set()  # the functions whose compilation failed here ("auto" then runs them in plain torch)
@@ -252,7 +270,7 @@ def _run(fn, fused: str, *args):
     Tensors come detached (``requires_grad`` would be one more compilation)."""
     if fused != "off" and fn not in _compile_failed and os.environ.get("QAT_APP_NO_COMPILE") != "1":
         try:
-            return _compiled(fn)(*args)
+            return _compiled(fn, compiled_backend.COMPILER)(*args)
         except Exception as err:
             if fused == "on":
                 raise

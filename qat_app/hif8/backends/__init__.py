@@ -13,7 +13,7 @@ import functools
 import os
 
 from .base import Backend, FakeQuantResult
-from .compiled import CompiledBackend
+from .compiled import CompiledBackend, compiles_exact_division
 from .reference import ReferenceBackend
 
 MODES = ("auto", "on", "off")
@@ -36,7 +36,7 @@ def resolve(mode: str, device_type: str, fmt_name: str) -> Backend:
         raise ValueError(f"fused: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     if mode == "off":
         return ReferenceBackend()
-    compiled = CompiledBackend(required=mode == "on")
+    compiled = CompiledBackend(required=mode == "on", exact_division=not compiles_exact_division(device_type))
     if _triton_applies(device_type, fmt_name):
         from .triton import TritonBackend
 

@@ -1,8 +1,13 @@
-"""The compiled backend: the reference functions under ``torch.compile`` (C++/OpenMP on CPU).
+"""The compiled backend: the reference functions under ``torch.compile`` (C++/OpenMP on CPU, Triton on CUDA).
 
 Inputs are flattened to 1-D so one dynamic kernel serves every layer's shape. With ``required=False``
 ("auto") a compiler that fails here is not fatal: the backend logs once and runs the reference from then
 on (same numbers); with ``required=True`` ("on") the error propagates.
+
+Inductor's C++ divides as IEEE does; its Triton code does not (``x / y`` and reciprocals lower to approximate
+instructions on NVIDIA GPUs). So with ``exact_division`` (every device but the CPU) no compiled graph divides:
+the grid values are computed compiled, the division by the scale and the current scale are plain torch ops
+(:func:`.reference.divide_by_scale`, :func:`.reference.current_scale`), correctly rounded everywhere.
 """
 
 from __future__ import annotations
@@ -21,9 +26,18 @@ from .base import FakeQuantResult
 log = logging.getLogger(__name__)
 
 
+# what torch.compile compiles with; a test records the graphs it is given by replacing it
+COMPILER: str | Callable = "inductor"
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=True)
+def _compiled(fn: Callable, compiler: str | Callable) -> Callable:
+    return torch.compile(fn, dynamic=True, backend=compiler)
+
+
+def compiles_exact_division(device_type: str) -> bool:
+    """Whether inductor's code for ``device_type`` divides as IEEE does (its C++ on the CPU; not its Triton)."""
+    return device_type == "cpu"
 
 
 def _restore_shape(out, shape: torch.Size):
@@ -38,8 +52,9 @@ def _restore_shape(out, shape: torch.Size):
 class CompiledBackend:
     name = "compiled"
 
-    def __init__(self, required: bool = False) -> None:
+    def __init__(self, required: bool = False, exact_division: bool = False) -> None:
         self.required = required
+        self.exact_division = exact_division  # divide outside the compiled graphs (see the module docstring)
         self.broken = os.environ.get("QAT_APP_NO_COMPILE") == "1"  # plain torch, on request
 
     def _run(self, fn: Callable, *args, like_input: bool = True):
@@ -49,7 +64,7 @@ class CompiledBackend:
             try:
                 shape = args[0].shape
                 flat = [a.reshape(-1) if isinstance(a, torch.Tensor) and a.shape == shape else a for a in args]
-                out = _compiled(fn)(*flat)
+                out = _compiled(fn, COMPILER)(*flat)
                 return _restore_shape(out, shape) if like_input else out
             except Exception as err:  # a missing compiler must not stop training: fall back, same numbers
                 if self.required:
@@ -60,8 +75,13 @@ class CompiledBackend:
 
     def quantize(self, x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid=False,
                  whatif_scales=None) -> FakeQuantResult:
-        result = self._run(reference.fake_quantize, x, scale, max_val, clip_threshold, fmt_name, want_codes, noise,
-                           grid)
+        if self.exact_division and not grid:
+            result = self._run(reference.quantize_to_grid, x, scale, max_val, clip_threshold, fmt_name, want_codes,
+                               noise)
+            result = reference.divide_by_scale(result, scale, x.dtype)
+        else:
+            result = self._run(reference.fake_quantize, x, scale, max_val, clip_threshold, fmt_name, want_codes,
+                               noise, grid)
         if whatif_scales is None:
             return result
         # a kernel of its own: fused into the quantize kernel, inductor's CPU code for the extra counts costs
@@ -70,8 +90,20 @@ class CompiledBackend:
             return result._replace(whatif=self._run(reference.whatif_counts, x, whatif_scales, clip_threshold,
                                                     like_input=False))
 
-    def quantize_current(self, *args) -> tuple[FakeQuantResult, torch.Tensor]:
-        return self._run(reference.fake_quantize_current, *args)
+    def quantize_current(self, x, fallback_scale, max_val, clip_threshold, margin, fmt_name, want_codes, noise,
+                         power_2=False, grid=False) -> tuple[FakeQuantResult, torch.Tensor]:
+        if not self.exact_division:
+            return self._run(reference.fake_quantize_current, x, fallback_scale, max_val, clip_threshold, margin,
+                             fmt_name, want_codes, noise, power_2, grid)
+        amax = self.amax(x)
+        scale = reference.current_scale(amax, max_val, margin, fallback_scale, power_2)
+        return self.quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid), scale
 
-    def dequantize(self, *args) -> torch.Tensor:
-        return self._run(reference.dequantize_codes, *args)
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        """max |x| in float32 (one compiled reduction: exact on every device)."""
+        return self._run(reference.amax_of, x, like_input=False)
+
+    def dequantize(self, codes, scale, fmt_name, dtype) -> torch.Tensor:
+        if not self.exact_division or scale is None:
+            return self._run(reference.dequantize_codes, codes, scale, fmt_name, dtype)
+        return (self._run(reference.decode_grid, codes, fmt_name) / scale.to(codes.device)).to(dtype)

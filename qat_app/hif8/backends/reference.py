@@ -1,7 +1,9 @@
 """The reference backend: the contract of :mod:`.base` in plain torch, op for op what the others must match.
 
 Every op is exact (bit manipulation, multiplication by the scale, IEEE division by the scale), which
-is what lets torch.compile and the Triton kernel agree with it bit for bit.
+is what lets torch.compile and the Triton kernel agree with it bit for bit. A compiler whose division is not
+IEEE's (inductor's Triton code on CUDA divides approximately) compiles :func:`quantize_to_grid` and
+:func:`decode_grid`, which hold no division, and divides with :func:`divide_by_scale` in plain torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ from .base import FakeQuantResult
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, max_val: float, clip_threshold: float, fmt_name: str,
                   want_codes: bool, noise: torch.Tensor | None, grid: bool = False,
                   whatif_scales: torch.Tensor | None = None) -> FakeQuantResult:
+    result = quantize_to_grid(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, whatif_scales)
+    if grid:
+        return result._replace(grid=result.grid.to(x.dtype))
+    return divide_by_scale(result, scale, x.dtype)
+
+
+def quantize_to_grid(x: torch.Tensor, scale: torch.Tensor, max_val: float, clip_threshold: float, fmt_name: str,
+                     want_codes: bool, noise: torch.Tensor | None,
+                     whatif_scales: torch.Tensor | None = None) -> FakeQuantResult:
+    """The contract up to the grid values, kept in float32 (``grid``): everything but the division by the scale."""
     fmt = get_format(fmt_name)
     xf = x.float()
     magnitude = xf.abs()
@@ -24,9 +36,13 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, max_val: float, clip_thr
     q = fmt.round_f32(scaled.clamp(-max_val, max_val), noise)
     codes = fmt.encode_rounded(q) if want_codes else None
     whatif = None if whatif_scales is None else clipped_under(magnitude, whatif_scales, clip_threshold)
-    if grid:
-        return FakeQuantResult(None, amax, clipped, codes, q.to(x.dtype), whatif)
-    return FakeQuantResult((q / scale).to(x.dtype), amax, clipped, codes, None, whatif)
+    return FakeQuantResult(None, amax, clipped, codes, q, whatif)
+
+
+def divide_by_scale(result: FakeQuantResult, scale: torch.Tensor, dtype: torch.dtype) -> FakeQuantResult:
+    """:func:`quantize_to_grid`'s result with ``(q / scale).to(dtype)`` as its output, the float32 grid dropped."""
+    # a CPU scale with a CUDA grid would be divided as a Python number (times its reciprocal): the same device
+    return result._replace(dequantized=(result.grid / scale.to(result.grid.device)).to(dtype), grid=None)
 
 
 def whatif_counts(x: torch.Tensor, scales: torch.Tensor, clip_threshold: float) -> torch.Tensor:
@@ -41,8 +57,14 @@ def clipped_under(magnitude: torch.Tensor, scales: torch.Tensor, clip_threshold:
 
 
 def raw_current_scale(amax: torch.Tensor, max_val: float, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max_val / amax / 2^margin, whether it is usable: amax > 0 and finite, the scale finite)."""
-    scale = max_val / amax / (2.0**margin)
+    """(max_val / amax / 2^margin, whether it is usable: amax > 0 and finite, the scale finite).
+
+    Written as the ops torch runs for it on every device: ``max_val / amax`` is ``amax.reciprocal() * max_val``
+    (``Tensor.__rtruediv__``), and the margin a multiplication by ``2^-margin`` (what CUDA makes of a division by a
+    Python number; the CPU would divide, an ulp apart for a margin that is not an integer). Each op is correctly
+    rounded in plain torch on the CPU and on CUDA, so the scale is the same bits on both; compiled code on CUDA
+    (approximate reciprocals) never computes it."""
+    scale = amax.reciprocal() * max_val * (2.0**-margin)
     return scale, (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
 
 
@@ -61,15 +83,25 @@ def fake_quantize_current(x: torch.Tensor, fallback_scale: torch.Tensor, max_val
                           noise: torch.Tensor | None, power_2: bool = False,
                           grid: bool = False) -> tuple[FakeQuantResult, torch.Tensor]:
     """Current tensor scaling (CTS): the scale comes from this tensor's own amax (two passes)."""
-    amax = x.float().abs().amax()
+    amax = amax_of(x)
     scale = current_scale(amax, max_val, margin, fallback_scale, power_2)
     return fake_quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid), scale
 
 
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in float32 (NaN propagates): exact however it is reduced."""
+    return x.float().abs().amax()
+
+
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor | None, fmt_name: str, dtype: torch.dtype) -> torch.Tensor:
     """``decode(codes) / scale`` in ``dtype``; with ``scale=None`` the grid values themselves (exact in any float)."""
-    values = get_format(fmt_name).decode(codes, torch.float32)
+    values = decode_grid(codes, fmt_name)
     return (values if scale is None else values / scale).to(dtype)
+
+
+def decode_grid(codes: torch.Tensor, fmt_name: str) -> torch.Tensor:
+    """uint8 codes -> their grid values in float32 (no division)."""
+    return get_format(fmt_name).decode(codes, torch.float32)
 
 
 class ReferenceBackend:

@@ -37,6 +37,7 @@ import sys
 import torch
 
 from ..formats import HIF8_OVERFLOW, saturation_threshold
+from . import reference
 from .base import FakeQuantResult
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -226,9 +227,10 @@ def _as_f32(value) -> float:
 
 
 class TritonBackend:
-    """HiF8 delayed scaling on CUDA (or under TRITON_INTERPRET=1) in the Triton kernel; everything the
-    kernel does not cover (current scaling, stochastic rounding, decoding, unsupported dtypes) and a
-    kernel that fails to build ("auto") go to ``fallback`` (the compiled backend). Same numbers."""
+    """HiF8 on CUDA (or under TRITON_INTERPRET=1) in the Triton kernel: delayed scaling, and current scaling with
+    the scale computed in plain torch; everything the kernel does not cover (stochastic rounding, decoding,
+    unsupported dtypes) and a kernel that fails to build ("auto") go to ``fallback`` (the compiled backend, which
+    divides outside its compiled code on CUDA). Same numbers."""
 
     name = "triton"
 
@@ -254,8 +256,16 @@ class TritonBackend:
         return self.fallback.quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, grid,
                                       whatif_scales)
 
-    def quantize_current(self, *args):
-        return self.fallback.quantize_current(*args)
+    def quantize_current(self, x, fallback_scale, max_val, clip_threshold, margin, fmt_name, want_codes, noise,
+                         power_2=False, grid=False):
+        """The kernel with the scale of ``x``'s own amax, computed in plain torch (exact on CUDA, unlike a compiled
+        division): one reduction, a few 0-d ops, the kernel; no host sync."""
+        if not self.broken and noise is None and supports(fmt_name, x, fallback_scale):
+            amax = self.fallback.amax(x)
+            scale = reference.current_scale(amax, max_val, margin, fallback_scale.to(amax.device), power_2)
+            return self.quantize(x, scale, max_val, clip_threshold, fmt_name, want_codes, None, grid), scale
+        return self.fallback.quantize_current(x, fallback_scale, max_val, clip_threshold, margin, fmt_name,
+                                              want_codes, noise, power_2, grid)
 
     def dequantize(self, *args):
         return self.fallback.dequantize(*args)
