@@ -2,7 +2,7 @@
 # `make test` (the whole test suite, slow tests included). Both install what they need first.
 PYTHON ?= python3
 
-.PHONY: install test-deps vllm-env serve-check quickstart test test-fast docs
+.PHONY: install test-deps vllm-env serve-check quickstart test test-fast docs gpu-bundle
 
 # the last step installs this checkout (editable: qat_app, callbacks and the hif8-qat command) without
 # touching the pinned requirements; setuptools comes with torch, so nothing is downloaded for the build
@@ -43,3 +43,8 @@ test-fast: install
 docs:
 	$(PYTHON) -m pip install -q -r requirements-docs.txt
 	$(PYTHON) -m mkdocs build --strict
+
+# What a bare GPU machine needs to run benchmarks/gpu_validation.sh (.gpu_bundle/, <= 60 MiB): wheels for its
+# Python 3.12 of the packages its image lacks, the embedded tokenizer and a few MB of the corpus
+gpu-bundle: install
+	$(PYTHON) benchmarks/gpu_bundle.py --out .gpu_bundle

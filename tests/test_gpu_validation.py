@@ -38,3 +38,84 @@ def test_fp8_check_script_runs_on_the_cpu_and_reports_agreement():
     line = done.stdout.strip().splitlines()[-1]
     errors = [float(e) for e in line.split(": ", 1)[1].split()]
     assert len(errors) == 3 and all(0 <= e < 1e-6 for e in errors), line  # fp32 on the CPU: accumulation order only
+
+
+def _validation():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_validation
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return gpu_validation
+
+
+def test_a_missing_or_foreign_bundle_is_one_line_and_nothing_is_installed(tmp_path):
+    validation = _validation()
+    status, what = validation.install_bundle(tmp_path / "none", tmp_path / "site")
+    assert status == "MISSING" and "make gpu-bundle" in what
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps({"python": "3.99", "wheels": []}))
+    status, what = validation.install_bundle(tmp_path / "b", tmp_path / "site")
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert status == "WRONG PYTHON" and what.endswith(f"is for Python 3.99, this is {here}: not installed")
+    assert not (tmp_path / "site").exists()
+
+
+def test_a_stage_over_its_limit_is_stopped_and_named(tmp_path):
+    validation = _validation()
+    stage = validation.Stage("slow", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                             limit_s=6, figure=lambda text: text.strip())
+    validation.run_stage(stage, tmp_path, dict(os.environ), deadline=__import__("time").monotonic() + 100)
+    assert stage.status == "TIMEOUT" and stage.shown == "over its limit of 6 s; started" and stage.seconds < 30
+    spent = validation.Stage("late", [sys.executable, "-c", "pass"], limit_s=60)
+    validation.run_stage(spent, tmp_path, dict(os.environ), deadline=__import__("time").monotonic() + 1)
+    assert spent.status == "NOT RUN" and "budget is spent" in spent.shown
+
+
+def test_the_cpu_mode_runs_what_needs_no_gpu_and_ends_with_one_table(tmp_path):
+    """No GPU: one line says so, the GPU-only stages wait for one, the others run; a failing stage does not stop the
+    rest (the missing modules of a stage's environment make it fail, named)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_validation.py"), "--cpu", "--out", str(tmp_path),
+                           "--bundle", str(tmp_path / "no-bundle"), "--only", "environment", "step", "fp8_check"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    table = (tmp_path / "table.md").read_text()
+    assert table.strip() == done.stdout.strip().split("\n| stage", 1)[1].join(["| stage", ""]).strip()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    assert rows["bundle"][0] == "MISSING" and rows["gpu"][0] == "NONE"
+    assert rows["step"][:1] == ["WAITS"] and rows["step"][2] == "needs a GPU"
+    assert rows["fp8_check"][0] == "ok" and rows["fp8_check"][2].startswith("fp8 vs emulated")
+    assert rows["environment"][0] in ("ok", "FAILED") and "Python" in (tmp_path / "environment.log").read_text()
+    assert done.returncode == (0 if rows["environment"][0] == "ok" else 1)
+
+
+@pytest.mark.slow
+def test_the_fit_stage_resumes_exactly_and_the_export_holds_the_trained_codes(tmp_path):
+    """The validation's fit and export stages at tiny sizes on the CPU (fp32: deterministic, so exactly)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_fit_check.py"), "--device", "cpu", "--tiny",
+                           "--steps", "6", "--warmup", "2", "--seq-len", "64", "--micro-batch", "2", "--seed", "1",
+                           "--out", str(tmp_path / "fit")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    fit = json.loads(done.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    assert done.returncode == 0 and fit["resume_ok"], fit
+    assert fit["killed"] and fit["return_codes"]["c"] == -9 and 2 <= fit["killed_at"] <= 4
+    assert fit["exact"] and fit["loss_diff_resumed"] == 0 and fit["scaler_diff_resumed"] == 0
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_export_check.py"), "--ckpt_path",
+                           fit["checkpoint"], "--device", "cpu", "--out", str(tmp_path / "export")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    export = json.loads(done.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    assert done.returncode == 0 and export["codes"] > 0 and export["differ_hif8"] == export["differ_fp8"] == 0, export
+
+
+def test_the_bundle_holds_wheels_for_the_gpu_python_and_the_assets(tmp_path):
+    """``make gpu-bundle`` (one small wheel here, from PyPI): wheels for Python 3.12, the tokenizer, the corpus,
+    a manifest with the size, under the limit."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bundle.py"), "--out", str(tmp_path / "b"),
+                           "--packages", "docstring-parser"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["python"] == "3.12" and [w["name"] for w in manifest["wheels"]] == ["docstring-parser"]
+    assert (tmp_path / "b" / "wheels" / manifest["wheels"][0]["file"]).is_file()
+    assert (tmp_path / "b" / "assets" / "tokenizer" / "tokenizer.json").is_file()
+    assert manifest["assets"]["corpus_documents"] > 100 and 0 < manifest["bytes"] < 60 * 2**20
