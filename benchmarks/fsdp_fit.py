@@ -1,7 +1,7 @@
 """A short bf16-mixed FSDP2 fit of an OpenPangu-Embedded-1B-shaped model through ``main.py``, timed.
 
 Builds a random Llama with openPangu-Embedded-1B's shape (26 blocks, 1536 / 6144, 12 heads, vocab
-153,376) and the embedded SmolLM2 tokenizer in a temporary directory, then runs
+153,376) with the GPU bundle's tokenizer (``--assets``) or the embedded one in a temporary directory, then runs
 ``python main.py fit`` with ``ModelParallelStrategy`` (fully_shard per block) on one device for
 ``--steps`` optimizer steps of the exp8 recipe (max window 64, warmup, QAT), and prints one line of
 JSON: steps, seconds per step after the first two, peak GPU memory, the final loss, the run directory.
@@ -24,6 +24,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_fit_check import build_model_dir, bundled_assets  # noqa: E402
 
 
 try:
@@ -45,24 +48,6 @@ except ImportError:  # pragma: no cover
     pass
 
 
-def build_model_dir(path: Path, tiny: bool) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from qat_app.models import load_tokenizer
-
-    tokenizer = load_tokenizer()
-    shape = (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2)
-             if tiny else dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=26, num_attention_heads=12,
-                               num_key_value_heads=6))
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**shape, vocab_size=max(153376 if not tiny else 0, len(tokenizer)),
-                                 max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -71,9 +56,11 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None, help="run directory (default: a temporary one)")
+    p.add_argument("--assets", default=None, help="the GPU bundle's assets/ (tokenizer, corpus.jsonl); default: embedded")
     args = p.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="fsdp_fit_"))
-    model_dir = build_model_dir(work / "model", args.tiny)
+    tokenizer_dir, corpus = bundled_assets(args.assets)
+    model_dir = build_model_dir(work / "model", args.tiny, tokenizer_dir, args.device)
     warmup = max(1, args.steps // 4)
     config = {
         "seed_everything": 0,
@@ -96,7 +83,7 @@ def main() -> None:
         "model": {"model_name": str(model_dir), "lr": 1e-5, "lr_schedule": "constant",
                   "quant": {"amax_algo": "max", "history_len": 64, "high_precision_layers": 5 if not args.tiny else 1}},
         "data": {"class_path": "qat_app.data.pretrain.PretrainDataModule",
-                 "init_args": {"dataset": "embedded:boolq-passages", "seq_len": args.seq_len,
+                 "init_args": {"data_files": corpus, "dataset": None, "seq_len": args.seq_len,
                                "micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch}},
     }
     config_file = work / "config.yaml"

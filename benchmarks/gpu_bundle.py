@@ -29,9 +29,10 @@ LIMIT_MIB = 60
 MISSING = ("docstring-parser", "jsonargparse", "typeshed-client", "en-dtypes", "datasets", "dill", "multiprocess",
            "torchdata", "gguf", "compressed-tensors", "pydantic", "pydantic-core", "annotated-types",
            "typing-inspection", "loguru")
-# there in another version, and the project needs its pin (transformers 5.17 there: the model classes and the
-# GGUF / openPangu loading are tested against 5.24)
-PINNED = ("transformers",)
+# there in another version (or one not recorded), and the project needs its pin (transformers 5.17 there: the
+# model classes and the GGUF / openPangu loading are tested against 5.24)
+PINNED = ("transformers",
+          "regex")  # transformers checks its version at import (>= 2025.10.22); the image's is not recorded
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 CORPUS_BYTES = 3 * 2**20

