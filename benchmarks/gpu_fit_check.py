@@ -7,7 +7,8 @@ Four fits: A and B uninterrupted (their difference is the run-to-run spread), C 
 a random step after its checkpoint, then C resumed from that checkpoint. Deterministic algorithms where torch has
 them (``trainer.deterministic: warn``). One line ``RESULT {json}`` at the end: the data position (the token
 batches of every step after the resume equal A's), the losses and the scaler state of the resumed run against A
-within the A-B spread (``exact`` when A and B agree bit for bit), the time per step and the peak memory.
+within the A-B spread (at most :data:`SPREAD_FACTOR` times it; ``exact`` when A and B agree bit for bit, and then
+the resumed run must too), the time per step and the peak memory.
 
     python benchmarks/gpu_fit_check.py --device cuda --assets .gpu_bundle/assets --out $OUT/fit
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+SPREAD_FACTOR = 3.0
 sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
@@ -216,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         result.update(scaler_spread_ab=max_difference(scalers["a"], scalers["b"]),
                       scaler_diff_resumed=max_difference(scalers["a"], scalers["c"]))
     result["exact"] = spread == 0 and result.get("scaler_spread_ab") == 0
+    # C and B are both a second run beside A: with any nondeterminism either may land further from A, so "within
+    # the spread" allows SPREAD_FACTOR times B's distance; with none (exact) it is 0 and C must equal A bit for bit
     result["resume_ok"] = bool(
         result["killed"] and codes["a"] == codes["b"] == codes["resumed"] == 0 and result["data_position_equal"]
-        and resumed is not None and spread is not None and resumed <= spread
-        and result.get("scaler_diff_resumed", float("inf")) <= result.get("scaler_spread_ab", -1))
+        and resumed is not None and spread is not None and resumed <= SPREAD_FACTOR * spread
+        and result.get("scaler_diff_resumed", float("inf")) <= SPREAD_FACTOR * result.get("scaler_spread_ab", -1))
     peak = runs["a"] / "peak.json"
     result["peak_memory_gib"] = json.loads(peak.read_text())["peak_memory_gib"] if peak.is_file() else None
     result["seconds_per_step"] = round(result["seconds_a"] / args.steps, 3)
