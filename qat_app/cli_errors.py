@@ -9,6 +9,7 @@ config". :func:`explain_argument_error` turns such a message into ``<field or fi
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import re
 import sys
@@ -195,13 +196,56 @@ def unknown_flags_line(unknown: list[str], parser) -> str:
     return "; ".join(f"unknown flag {flag}{did_you_mean(flag, known)}" for flag in flags)
 
 
-class ProgramParser(argparse.ArgumentParser):
-    """The parser of the plain-argparse commands (``export``, ``report``, ``study``, ``inspect``): no abbreviated
-    flags (``--ckpt`` must not silently mean ``--ckpt_path``), deprecated spellings replaced with a warning, and an
-    unknown flag named with the nearest known one, as the LightningCLI commands do."""
+def flag_spellings(flags: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(the flags as shown: each long flag spelled with underscores, as LightningCLI spells ``fit``'s; the other
+    spellings, with dashes, accepted as aliases) of one ``add_argument``'s option strings."""
+    shown, aliases = [], []
+    for flag in flags:
+        if flag.startswith("--") and ("-" in flag[2:] or "_" in flag[2:]):
+            for spelling, into in (("--" + flag[2:].replace("-", "_"), shown), ("--" + flag[2:].replace("_", "-"), aliases)):
+                if spelling not in shown and spelling not in aliases:
+                    into.append(spelling)
+        elif flag not in shown:
+            shown.append(flag)
+    return shown, aliases
+
+
+class BothSpellings:
+    """Parser mixin: every long flag accepted in both spellings (``--compute_dtype`` and ``--compute-dtype``), help
+    showing the underscore one (:class:`OneSpellingHelp`)."""
+
+    def add_argument(self, *flags, **kwargs):
+        shown, aliases = flag_spellings(flags)
+        action = super().add_argument(*shown, *aliases, **kwargs)  # dest: from the first, underscored spelling
+        action.aliases = frozenset(aliases)
+        return action
+
+
+class OneSpellingHelpMixin:
+    """Help that shows each flag once: the aliases :class:`BothSpellings` added are left out."""
+
+    def _format_action_invocation(self, action):
+        aliases = getattr(action, "aliases", ())
+        if not aliases:
+            return super()._format_action_invocation(action)
+        shown = copy.copy(action)
+        shown.option_strings = [s for s in action.option_strings if s not in aliases]
+        return super()._format_action_invocation(shown)
+
+
+class OneSpellingHelp(OneSpellingHelpMixin, argparse.HelpFormatter):
+    pass
+
+
+class ProgramParser(BothSpellings, argparse.ArgumentParser):
+    """The parser of the plain-argparse commands (``export``, ``report``, ``inspect``): no abbreviated flags
+    (``--ckpt`` must not silently mean ``--ckpt_path``), deprecated spellings replaced with a warning, every flag in
+    both spellings (help shows LightningCLI's), and an unknown flag named with the nearest known one, as the
+    LightningCLI commands do."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", OneSpellingHelp)
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):

@@ -539,7 +539,7 @@ def test_validate_refuses_a_quantized_model_without_history(tmp_path, tiny_model
 # ---------------------------------------------------------------------------------------- export, report
 EXPORT_ROWS = [  # (flags replacing the defaults --ckpt_path <the run's last.ckpt> --out <tmp>/export, extra flags)
     ("float8 storage dtype", {"--dtype": "float8"}, [], r"--dtype='float8' is not a floating point dtype"),
-    ("integer compute dtype", {"--compute-dtype": "int8"}, [], r"--compute-dtype='int8' is not a floating point dtype"),
+    ("integer compute dtype", {"--compute_dtype": "int8"}, [], r"--compute_dtype='int8' is not a floating point dtype"),
     ("missing checkpoint", {"--ckpt_path": "{run}/nope.ckpt"}, [], r"nope\.ckpt does not exist"),
     ("truncated checkpoint", {"--ckpt_path": "{truncated}"}, [], r"half\.ckpt cannot be read"),
     ("into the run directory", {"--out": "{run}"}, ["--overwrite"],

@@ -65,6 +65,41 @@ def test_a_mistyped_flag_is_named_with_the_nearest(argv, line, capsys):
 
 
 def test_flags_are_not_abbreviated(tmp_path, capsys):
-    """``--comp`` could be --compare or --compute-dtype: refused, not guessed (argparse's default guesses)."""
+    """``--comp`` could be --compare or --compute_dtype: refused, not guessed (argparse's default guesses)."""
     code, err = _run(["export", "--ckpt_path", "x", "--out", tmp_path / "o", "--comp"], capsys)
     assert code == 2 and "unknown flag --comp" in err
+
+
+def _program_parsers():
+    from qat_app.report.cli import report_parser
+    from qat_app.study.cli import study_parser
+
+    return {"export": export_parser("export"), "report": report_parser("report"), "inspect": inspect_parser("inspect"),
+            "study": study_parser("study")}
+
+
+def test_every_flag_of_every_command_takes_both_spellings_and_help_shows_one():
+    """Each long flag with a separator in its name: the underscore spelling (LightningCLI's) and the dashed one are
+    the same option, and the help shows the underscore one alone."""
+    checked, missing = 0, []
+    for command, parser in _program_parsers().items():
+        help_text = parser.format_help()
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if not flag.startswith("--") or not any(c in flag[2:] for c in "-_"):
+                    continue
+                under, dash = "--" + flag[2:].replace("-", "_"), "--" + flag[2:].replace("_", "-")
+                if flag != under:
+                    continue
+                checked += 1
+                if dash not in action.option_strings or parser._option_string_actions.get(dash) is not action:
+                    missing.append(f"{command} {under}: no {dash}")
+                if dash in help_text.replace(under, ""):
+                    missing.append(f"{command}: the help shows {dash}")
+    assert checked >= 15 and not missing, missing  # 17 today
+
+
+def test_the_dashed_spelling_still_works(tmp_path):
+    ours = export_parser("export").parse_args(["--ckpt_path", "a", "--out", "b", "--compute-dtype", "float32",
+                                               "--serve-target", "cuda", "--compare_batches", "3"])
+    assert (ours.compute_dtype, ours.serve_target, ours.compare_batches) == ("float32", "cuda", 3)

@@ -77,7 +77,7 @@ def test_engine_benchmark_rows_score_as_the_evaluator_scores():
 
 
 def test_bad_environment_export_and_version_are_one_line(tmp_path):
-    with pytest.raises(EngineError, match="--vllm-venv .*no vLLM environment there"):
+    with pytest.raises(EngineError, match="--vllm_venv .*no vLLM environment there"):
         engine_check.engine_python(tmp_path / "nowhere")
     fake = tmp_path / "venv" / "bin"
     fake.mkdir(parents=True)
@@ -157,12 +157,12 @@ def test_vllm_serves_the_default_export_and_the_emulation_meets_its_bound(served
 @pytest.mark.slow
 @needs_engine
 def test_the_cuda_layout_is_refused_by_vllms_cpu_kernels_as_the_report_says(served_run):
-    """The report's statement for --serve-target cuda, checked: vLLM 0.32's CPU kernel for per-channel weights
+    """The report's statement for --serve_target cuda, checked: vLLM 0.32's CPU kernel for per-channel weights
     fails on the static per-tensor input scale (one line naming the error and the log)."""
     _, root = served_run
     report = json.loads((root / "fp8-cuda" / "fp8_export.json").read_text())
     assert "cpu" not in report["serve_target"]["served_by"]
-    with pytest.raises(EngineError, match="exported for --serve-target cuda, whose layout vLLM's CPU kernels cannot run"):
+    with pytest.raises(EngineError, match="exported for --serve_target cuda, whose layout vLLM's CPU kernels cannot run"):
         engine_check.check_with_engine(served_run[0], root / "fp8-cuda", None, python=engine_check.engine_python())
     request = {"model": str(root / "fp8-cuda"), "dtype": "bfloat16", "top_k": 1, "prompts": ["a b"], "max_tokens": 2,
                "memory_fraction": 0.15, "sequences": [], "max_model_len": 64}
@@ -188,15 +188,15 @@ def test_serve_script_and_export_flags_refuse_bad_input_in_one_line(tmp_path, ca
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
     out = tmp_path / "export"
-    assert serve.main(["--ckpt_path", str(tmp_path / "x.ckpt"), "--config", "c.yaml", "--out", str(out), "--no-install",
-                       "--vllm-venv", str(tmp_path / "none")]) == 2
+    assert serve.main(["--ckpt_path", str(tmp_path / "x.ckpt"), "--config", "c.yaml", "--out", str(out), "--no_install",
+                       "--vllm_venv", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --vllm-venv") and not out.exists()
+    assert len(err) == 1 and err[0].startswith("error: --vllm_venv") and not out.exists()
     with pytest.raises(SystemExit):  # a serve target is a property of the FP8 export only
-        export_main(["--ckpt_path", "x.ckpt", "--out", str(out), "--format", "hif8", "--serve-target", "cuda"])
-    assert "--serve-target: only with --format compressed-tensors" in capsys.readouterr().err
+        export_main(["--ckpt_path", "x.ckpt", "--out", str(out), "--format", "hif8", "--serve_target", "cuda"])
+    assert "--serve_target: only with --format compressed-tensors" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        export_main(["--ckpt_path", "x.ckpt", "--out", str(out), "--format", "compressed-tensors", "--serve-target", "tpu"])
+        export_main(["--ckpt_path", "x.ckpt", "--out", str(out), "--format", "compressed-tensors", "--serve_target", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err and not out.exists()
 
 

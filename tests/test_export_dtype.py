@@ -78,6 +78,6 @@ def test_a_bf16_mixed_fits_export_holds_the_codes_it_trained_with(tmp_path, tiny
         assert torch.equal(served[exact], grid[exact]), name
     trained, total = changed_codes(module.model, torch.bfloat16, torch.float32)
     assert 0 < trained < total  # what the float32 default wrote: codes that were never trained
-    assert export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "h8f"), "--compute-dtype", "float32"]) == 0
-    assert (f"--compute-dtype float32: {trained:,} of {total:,} weight codes differ from the ones the run trained "
+    assert export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "h8f"), "--compute_dtype", "float32"]) == 0
+    assert (f"--compute_dtype float32: {trained:,} of {total:,} weight codes differ from the ones the run trained "
             "with (bfloat16, the run's precision bf16-mixed)") in capsys.readouterr().out

@@ -232,11 +232,11 @@ def test_fallbacks_and_input_schemes(tmp_path):
 def test_bad_input_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ExportError, match="input scaler has no amax history"):
         export_compressed_tensors(tiny_qat(dtype=torch.float32, steps=0), tmp_path / "a", serve_target="cuda")
-    with pytest.raises(ExportError, match="--serve-target 'tpu'"):
+    with pytest.raises(ExportError, match="--serve_target 'tpu'"):
         export_compressed_tensors(tiny_qat(dtype=torch.float32), tmp_path / "a", serve_target="tpu")
     inputs_off = tiny_qat(dtype=torch.float32)
     set_quantization(inputs_off, weights=True, activations=False)  # weight-only everywhere: no CPU kernel
-    with pytest.raises(ExportError, match="--serve-target any: no layer of this checkpoint can be served in FP8"):
+    with pytest.raises(ExportError, match="--serve_target any: no layer of this checkpoint can be served in FP8"):
         export_compressed_tensors(inputs_off, tmp_path / "a")
     with pytest.raises(ExportError, match="model.quant.format 'e5m2'"):
         export_compressed_tensors(tiny_qat(dtype=torch.float32, format="e5m2"), tmp_path / "b")
@@ -274,11 +274,11 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare"]) == 2
     assert "--config" in capsys.readouterr().err and not out.exists()
     assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
-                        "--compare-device", "gpu0", "--config", config]) == 2
-    assert "--compare-device 'gpu0'" in capsys.readouterr().err and not out.exists()
+                        "--compare_device", "gpu0", "--config", config]) == 2
+    assert "--compare_device 'gpu0'" in capsys.readouterr().err and not out.exists()
     assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
-                        "--compare-dtype", "int8", "--config", config]) == 2
-    assert "--compare-dtype" in capsys.readouterr().err and not out.exists()
+                        "--compare_dtype", "int8", "--config", config]) == 2
+    assert "--compare_dtype" in capsys.readouterr().err and not out.exists()
     # the run's noise floor beside its config (as a fit writes it): its answers changed go beside the served flips
     from qat_app.eval.noise_floor import AnswerFlips
 
@@ -287,7 +287,7 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     floor_file = tmp_path / "noise_floor.json"
     floor_file.write_text(json.dumps({"text": {"kl": {"difference": 0.01}}, "benchmarks": flips.to_dict()}))
     assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--format", "compressed-tensors", "--compare",
-                        "--compare-batches", "2", "--config", config]) == 0
+                        "--compare_batches", "2", "--config", config]) == 0
     printed = capsys.readouterr().out
     assert "| 2/0/1 of 12 |" in printed and "| 0/0/3 of 12 |" in printed and str(floor_file) in printed
     assert json.loads((out / CHECK_JSON).read_text())["run_noise_floor"]["file"] == str(floor_file)
@@ -305,7 +305,7 @@ def test_cli_exports_and_compares_on_the_runs_data(tmp_path, tiny_model_dir, tin
     # the served side in BF16, as vLLM serves activations: a larger drift than in float32, on the same sequences
     # (the KLs are exact in float64; their intervals do not overlap)
     assert export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--overwrite", "--format", "compressed-tensors",
-                        "--compare", "--compare-batches", "2", "--compare-dtype", "bfloat16", "--config", config]) == 0
+                        "--compare", "--compare_batches", "2", "--compare_dtype", "bfloat16", "--config", config]) == 0
     bf16 = json.loads((out / CHECK_JSON).read_text())
     assert "transformers in bfloat16" in bf16["notes"][0]
     assert bf16["text"]["sequences"] == 4 and bf16["text"]["kl"]["low"] > check["text"]["kl"]["high"]

@@ -1,4 +1,4 @@
-"""``main.py study``: a study of three tiny runs end to end, killed mid-run and restarted, its ``--dry-run``
+"""``main.py study``: a study of three tiny runs end to end, killed mid-run and restarted, its ``--dry_run``
 commands run by hand, and bad study files refused before any run starts.
 
 Every run is a real ``main.py`` process (the study launches them as subprocesses), so these tests take
@@ -185,7 +185,7 @@ def test_killed_study_resumes_and_ends_with_the_same_report(finished_study, tmp_
 def test_dry_run_commands_by_hand_make_the_same_runs(finished_study, tmp_path):
     out = tmp_path / "runs"
     study = _study_file(tmp_path, finished_study["base"], out)
-    dry = _study("--config", study, "--dry-run")
+    dry = _study("--config", study, "--dry_run")
     assert dry.returncode == 0, dry.stderr
     lines = dry.stdout.strip().splitlines()
     assert len(lines) == 1 + len(RUNS) and lines[0].startswith("python main.py validate ")

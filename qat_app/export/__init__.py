@@ -66,7 +66,7 @@ temporary sibling directory and rename it into place.
 CLI (a Lightning checkpoint of ``QATModule``; ``python main.py export`` is the same)::
 
     python -m qat_app.export --ckpt_path runs/quickstart/checkpoints/last.ckpt --out exports/qs-hif8
-    python -m qat_app.export --ckpt_path ... --out exports/qs-hf --format hf [--hf-weights quantized]
+    python -m qat_app.export --ckpt_path ... --out exports/qs-hf --format hf [--hf_weights quantized]
     python -m qat_app.export --ckpt_path ... --out exports/qs-fp8 --format compressed-tensors [--compare --config RUN.yaml]
 
 Modules: :mod:`.layout` (file names, tensor roles, reading and checking a layout), :mod:`.writer`

@@ -56,13 +56,13 @@ def export_parser(prog: str) -> ProgramParser:
                         help="hif8 / compressed-tensors: dtype of the unquantized tensors (default: the one the run "
                              "computed them in: float32 for 32-true, bfloat16 for bf16-mixed); hf: parameter dtype "
                              "(default unchanged)")
-    parser.add_argument("--compute-dtype", default=None,
+    parser.add_argument("--compute_dtype", default=None,
                         help="dtype the weight codes are computed in (default: the one the run computed its quantized "
                              "linears in: bfloat16 for bf16-mixed, float32 for 32-true; an override says how many "
                              "codes it changed)")
-    parser.add_argument("--hf-weights", choices=("master", "quantized"), default="master",
+    parser.add_argument("--hf_weights", choices=("master", "quantized"), default="master",
                         help="hf: trained high-precision weights, or the fake-quantized 8-bit-grid weights")
-    parser.add_argument("--serve-target", choices=tuple(SERVE_TARGETS), default=DEFAULT_SERVE_TARGET,
+    parser.add_argument("--serve_target", choices=tuple(SERVE_TARGETS), default=DEFAULT_SERVE_TARGET,
                         help=f"{FORMAT_NAME}: any (default): dynamic per-token input scales, served by vLLM on the CPU "
                              "and on CUDA; cuda: the trained static input scales (closest to training), served by "
                              "vLLM's CUDA kernels only (its CPU kernels cannot run them)")
@@ -77,11 +77,11 @@ def export_parser(prog: str) -> ProgramParser:
                         help=f"{FORMAT_NAME}: emulate the served forward on the CPU and compare it with the QAT model on "
                              "the run's held-out text and benchmarks (give the run's --config; other LightningCLI "
                              "flags such as --data.* pass through)")
-    parser.add_argument("--compare-batches", type=int, default=8, metavar="N",
+    parser.add_argument("--compare_batches", type=int, default=8, metavar="N",
                         help="--compare: batches of held-out text (default 8)")
-    parser.add_argument("--compare-device", default="cpu", metavar="DEVICE",
+    parser.add_argument("--compare_device", default="cpu", metavar="DEVICE",
                         help="--compare: where both models run (default cpu; e.g. cuda for a large model)")
-    parser.add_argument("--compare-dtype", default="float32", metavar="DTYPE",
+    parser.add_argument("--compare_dtype", default="float32", metavar="DTYPE",
                         help="--compare: the dtype the served side runs in (default float32: the stored tensors and "
                              "the FP8 numerics alone; bfloat16: activations rounded as vLLM serves them)")
     return parser
@@ -93,19 +93,19 @@ def check_arguments(parser: ProgramParser, args: argparse.Namespace, lightning_a
         line = unknown_flags_line(lightning_args, parser)
         parser.error(line if "did you mean" in line else line + " (LightningCLI flags are read with --compare)")
     if args.serve_target != DEFAULT_SERVE_TARGET and args.format != FORMAT_NAME:
-        parser.error(f"--serve-target: only with --format {FORMAT_NAME}")
+        parser.error(f"--serve_target: only with --format {FORMAT_NAME}")
     if args.compare and args.format != FORMAT_NAME:
         parser.error(f"--compare: only with --format {FORMAT_NAME}")
     if args.compare_batches < 1:
-        parser.error(f"--compare-batches: must be >= 1, got {args.compare_batches}")
+        parser.error(f"--compare_batches: must be >= 1, got {args.compare_batches}")
 
 
 def run_export(args: argparse.Namespace, lightning_args: list[str]) -> None:
     """Load the checkpoint and write the asked format, then one line on what was quantized."""
     from qat_app.models import resolve_dtype
 
-    for flag, value in (("--dtype", args.dtype), ("--compute-dtype", args.compute_dtype),
-                        ("--compare-dtype", args.compare_dtype)):
+    for flag, value in (("--dtype", args.dtype), ("--compute_dtype", args.compute_dtype),
+                        ("--compare_dtype", args.compare_dtype)):
         if value is not None:
             resolve_dtype(value, field=flag)
     if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
@@ -134,7 +134,7 @@ def run_export(args: argparse.Namespace, lightning_args: list[str]) -> None:
         print(summary_line(args.out, report))
         if datamodule is not None:
             _compare(module, args.out, datamodule, args.compare_batches, device,
-                     resolve_dtype(args.compare_dtype, field="--compare-dtype"), run_floor(lightning_args))
+                     resolve_dtype(args.compare_dtype, field="--compare_dtype"), run_floor(lightning_args))
     inventory = Path(args.out) / INVENTORY_FILE
     if inventory.is_file():
         print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")
@@ -161,11 +161,11 @@ def _compute_dtype(module, asked: str | None) -> str | None:
 
     trained, why = run_compute_dtype(module)
     if asked is None:
-        print(f"weight codes computed in {trained or 'the weights dtype'} ({why}; --compute-dtype overrides)")
+        print(f"weight codes computed in {trained or 'the weights dtype'} ({why}; --compute_dtype overrides)")
         return trained
     if trained is not None and resolve_dtype(asked) != resolve_dtype(trained):
         changed, total = changed_codes(module.model, resolve_dtype(trained), resolve_dtype(asked))
-        print(f"--compute-dtype {asked}: {changed:,} of {total:,} weight codes differ from the ones the run trained "
+        print(f"--compute_dtype {asked}: {changed:,} of {total:,} weight codes differ from the ones the run trained "
               f"with ({trained}, {why})")
     return asked
 
@@ -197,9 +197,9 @@ def _compare_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise ExportError(f"--compare-device {name!r}: not a torch device (cpu, cuda, cuda:1 ...)") from None
+        raise ExportError(f"--compare_device {name!r}: not a torch device (cpu, cuda, cuda:1 ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ExportError(f"--compare-device {name}: this machine has no CUDA device; use cpu")
+        raise ExportError(f"--compare_device {name}: this machine has no CUDA device; use cpu")
     return device
 
 
@@ -240,6 +240,6 @@ def _compare(module, out_dir: str, datamodule, batches: int, device: torch.devic
                             "per token or static, E4M3 weights); vLLM itself runs it in benchmarks/serve_vllm.py"
                             + ("; in bfloat16 the FP8 layers' dequantized weights and inputs are rounded to bfloat16 "
                                "too (vLLM multiplies the E4M3 values themselves): one rounding more than serving"
-                               if dtype == torch.bfloat16 else "; its activations here are float32, not BF16 (--compare-dtype bfloat16)"))
+                               if dtype == torch.bfloat16 else "; its activations here are float32, not BF16 (--compare_dtype bfloat16)"))
     print(render(comparison))
     print("wrote " + ", ".join(write_comparison(comparison, out_dir)))

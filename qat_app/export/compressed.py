@@ -126,7 +126,7 @@ def activation_args(scheme: str):
 
 def check_serve_target(target: str) -> str:
     if target not in SERVE_TARGETS:
-        raise ExportError(f"--serve-target {target!r}: one of {', '.join(SERVE_TARGETS)}")
+        raise ExportError(f"--serve_target {target!r}: one of {', '.join(SERVE_TARGETS)}")
     return target
 
 
@@ -141,14 +141,14 @@ def _scheme_of(name: str, layer: HiF8Linear, target: str) -> tuple[str | None, s
         why = (f"its input fell back to high precision at step {record.get('step')}" if record
                else "input quantization is off")
         if target == "any":
-            return None, (f"{why}; vLLM's CPU platform has no FP8 weight-only (W8A16) kernel, so --serve-target any "
-                          "keeps the layer dense (--serve-target cuda writes it W8A16)")
+            return None, (f"{why}; vLLM's CPU platform has no FP8 weight-only (W8A16) kernel, so --serve_target any "
+                          "keeps the layer dense (--serve_target cuda writes it W8A16)")
         return WEIGHT_ONLY, f"{why}: FP8 weights, BF16 activations"
     scaler = layer.input_scaler
     if scaler.algo == "current":
         return DYNAMIC, "its input is scaled by current scaling: dynamic per-token activation scales"
     if target == "any":
-        return DYNAMIC, "--serve-target any: dynamic per-token activation scales (what vLLM's CPU kernels take)"
+        return DYNAMIC, "--serve_target any: dynamic per-token activation scales (what vLLM's CPU kernels take)"
     if not scaler.has_history:
         raise ExportError(
             f"{name}: its input scaler has no amax history (steps_recorded 0): there is no trained activation scale "
@@ -323,7 +323,7 @@ def _servable_plan(model: nn.Module, serve_target: str) -> tuple[dict[str, str],
         raise ExportError("no layer's weight is quantized in this checkpoint (saved inside the BF16 warmup?), so "
                           f"there is nothing to write in FP8: {next(iter(ignored.values()), '')}")
     if not schemes:
-        raise ExportError(f"--serve-target {serve_target}: no layer of this checkpoint can be served in FP8 that "
+        raise ExportError(f"--serve_target {serve_target}: no layer of this checkpoint can be served in FP8 that "
                           f"way: {next(iter(ignored.values()), '')}")
     return schemes, ignored, experts
 
@@ -416,7 +416,7 @@ def export_compressed_tensors(
             vLLM serves on the CPU and on CUDA) or ``cuda`` (the trained static input scales; vLLM's CUDA kernels).
     """
     model, tokenizer, info, storage_dtype, cdtype = export_source(
-        module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype", compute_dtype_field="--compute-dtype")
+        module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype", compute_dtype_field="--compute_dtype")
     schemes, ignored, experts = _servable_plan(model, serve_target)
     staging = StagingDir(out_dir, overwrite, REPORT_FILE)  # refuse an existing run / export before any work
 

@@ -73,9 +73,9 @@ def engine_python(venv: str | os.PathLike = DEFAULT_VENV) -> Path:
     """The vLLM environment's python (:class:`EngineError` naming the directory when it is not one)."""
     python = Path(venv) / "bin" / "python"
     if not python.is_file():
-        raise EngineError(f"--vllm-venv {venv}: no vLLM environment there (bin/python missing); create it with "
+        raise EngineError(f"--vllm_venv {venv}: no vLLM environment there (bin/python missing); create it with "
                           f"`make vllm-env` ({VLLM_PACKAGE}=={VLLM_VERSION}), or run benchmarks/serve_vllm.py without "
-                          "--no-install")
+                          "--no_install")
     return python
 
 
@@ -110,7 +110,7 @@ def run_engine(python: Path, request: dict, timeout: float = 3600.0) -> tuple[di
     """Run :mod:`.vllm_worker` on ``request`` -> (its result, {layer scheme: the kernel vLLM selected})."""
     version = _installed_version(python)
     if version not in KNOWN_VLLM_VERSIONS:
-        raise EngineError(f"--vllm-venv {python.parent.parent}: {VLLM_PACKAGE} {version or '(none)'} installed; this "
+        raise EngineError(f"--vllm_venv {python.parent.parent}: {VLLM_PACKAGE} {version or '(none)'} installed; this "
                           f"check knows {', '.join(KNOWN_VLLM_VERSIONS)} (its kernel selection was read for those)")
     with tempfile.TemporaryDirectory() as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
@@ -264,10 +264,10 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
     from .served import load_served
 
     report = read_report(export_dir)  # an FP8 export, or one line naming the file
-    target = report.get("serve_target", {"name": "cuda (static inputs: written before --serve-target)", "served_by": {}})
+    target = report.get("serve_target", {"name": "cuda (static inputs: written before --serve_target)", "served_by": {}})
     if "cpu" not in target["served_by"]:
-        raise EngineError(f"{export_dir}: exported for --serve-target {target['name']}, whose layout vLLM's CPU kernels "
-                          "cannot run; export it again with --serve-target any to check it here")
+        raise EngineError(f"{export_dir}: exported for --serve_target {target['name']}, whose layout vLLM's CPU kernels "
+                          "cannot run; export it again with --serve_target any to check it here")
     started = time.perf_counter()
     rows = [ids for block in (blocks or []) for ids in block]
     request = {"model": str(Path(export_dir).resolve()), "dtype": dtype, "top_k": top_k, "prompts": list(prompts),

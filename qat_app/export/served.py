@@ -2,7 +2,7 @@
 
 The served forward is the export loaded by transformers (:func:`load_served`): compressed-tensors decompresses the
 E4M3 weights (``e4m3 x weight_scale``) and quantizes every FP8 layer's input to E4M3 (clamp to +-448, round to
-nearest even) before the matmul, per token at ``amax / 448`` (``--serve-target any``) or at its static
+nearest even) before the matmul, per token at ``amax / 448`` (``--serve_target any``) or at its static
 ``input_scale`` (``cuda``), as vLLM's FP8 GEMM does (checked against vLLM itself by :mod:`.engine_check`); the rest runs
 in the dtype it is loaded in: float32 (the default: the stored tensors and the FP8 numerics alone) or bfloat16
 (vLLM's activations; the dequantized FP8 operands are then rounded to BF16 too, which vLLM does not do). vLLM's

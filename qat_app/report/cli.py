@@ -42,7 +42,7 @@ def report_parser(prog: str) -> ProgramParser:
     parser.add_argument("--layers", nargs="+", default=None,
                         help="tensors for the a_hat-vs-amax figure: names (layers.10.mlp.down_proj[.input]) or regexes")
     parser.add_argument("--benchmarks", default=None, metavar="REGEX", help="only benchmark metrics matching REGEX")
-    parser.add_argument("--ape-from-step", type=int, default=0, help="APE over common steps >= this (default 0: all)")
+    parser.add_argument("--ape_from_step", type=int, default=0, help="APE over common steps >= this (default 0: all)")
     parser.add_argument("--force", action="store_true", help="report runs whose configs or steps do not match (with a warning)")
     parser.add_argument("--resamples", type=int, default=stats.DEFAULT_RESAMPLES, help="bootstrap resamples (default 10000)")
     parser.add_argument("--seed", type=int, default=stats.DEFAULT_SEED, help="bootstrap seed (default 0)")

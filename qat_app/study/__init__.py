@@ -4,7 +4,7 @@
 (``validate``, quantization off), runs each run of the study file as an ordinary ``main.py fit`` in
 ``out_dir/<name>`` (:mod:`.commands`), skipping finished runs and resuming interrupted ones with
 ``--ckpt_path last`` (:mod:`.runner`), then writes one report per baseline/QAT group and ``study.md``
-(:mod:`.document`). ``--dry-run`` prints every run's command, ``--only NAME`` runs one. The file format:
+(:mod:`.document`). ``--dry_run`` prints every run's command, ``--only NAME`` runs one. The file format:
 :mod:`.spec`.
 """
 

@@ -1,11 +1,13 @@
-"""``python main.py study --config configs/studies/<name>.yaml [--dry-run] [--only NAME ...]``."""
+"""``python main.py study --config configs/studies/<name>.yaml [--dry_run] [--only NAME ...]``."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
+
+from ..cli_errors import BothSpellings, OneSpellingHelpMixin
 
 from ..errors import QATError
 from .commands import all_commands, check_command
@@ -14,8 +16,16 @@ from .runner import StudyRunner
 from .spec import INITIAL, InitialSpec, ReportSpec, RunSpec, Study, StudyError, check_study
 
 
+class StudyHelp(OneSpellingHelpMixin, DefaultHelpFormatter):
+    pass
+
+
+class StudyParser(BothSpellings, ArgumentParser):
+    """The study file's and the command line's parser: every flag in both spellings, help showing one."""
+
+
 def study_parser(prog: str) -> ArgumentParser:
-    parser = ArgumentParser(prog=prog, exit_on_error=False, description=(
+    parser = StudyParser(prog=prog, exit_on_error=False, formatter_class=StudyHelp, description=(
         "Run a study: the initial-model evaluation once, each run as its own `main.py fit` in out_dir/NAME "
         "(a finished run is skipped, an interrupted one resumes from its last checkpoint), then the reports "
         "and out_dir/study.md."))
@@ -27,7 +37,7 @@ def study_parser(prog: str) -> ArgumentParser:
     parser.add_argument("--initial", type=InitialSpec, default=InitialSpec())
     parser.add_argument("--runs", type=list[RunSpec], required=True)
     parser.add_argument("--reports", type=list[ReportSpec], default=[])
-    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+    parser.add_argument("--dry_run", action="store_true",
                         help="print the `python main.py ...` command of every run, one per line, and stop")
     parser.add_argument("--only", type=str, default=[], nargs="+",
                         help=f"run only these runs ({INITIAL!r} is the initial evaluation)")

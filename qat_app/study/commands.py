@@ -29,7 +29,7 @@ class RunCommand:
         return [self.subcommand, *self.args]
 
     def shell(self) -> str:
-        """The command line as printed by ``--dry-run`` (run from the working directory of the study)."""
+        """The command line as printed by ``--dry_run`` (run from the working directory of the study)."""
         return shlex.join(["python", "main.py", *self.argv])
 
     def executable(self) -> list[str]:

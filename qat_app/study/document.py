@@ -90,7 +90,7 @@ def write_document(study: Study, study_file: str, states: dict[str, dict], repor
              f"- wall time of the runs: {total:.0f} s ({total / 60:.1f} min), summed over runs and attempts",
              f"- base config: `{study.base_config}`"
              + (f", and for every run `{study.common_args}`" if study.common_args else "")
-             + f"; run NAME in `{study.out_dir}/NAME` (`python main.py study ... --dry-run` prints each command)", "",
+             + f"; run NAME in `{study.out_dir}/NAME` (`python main.py study ... --dry_run` prints each command)", "",
              "## Runs", "", "| run | command | wall s | attempts | its settings (over the base config) |", "|---|---|---:|---:|---|"]
     lines += [_run_line(study, c, states.get(c.name)) for c in commands]
     for name, report in reports.items():

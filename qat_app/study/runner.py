@@ -1,7 +1,7 @@
 """Running a study: each run as its own ``main.py`` process, resumable, then the reports.
 
 Bookkeeping lives in ``<out_dir>/_study/`` (never inside a run directory, so a run started by hand from
-``--dry-run`` is the same directory): ``<name>.json`` (the command, every attempt's wall time and exit code,
+``--dry_run`` is the same directory): ``<name>.json`` (the command, every attempt's wall time and exit code,
 whether it finished), ``<name>.log`` (the run's output), ``lock`` (the pid of the study process running).
 A finished run is skipped; an unfinished one is started again with ``--ckpt_path last``, which resumes it
 from its newest intact checkpoint (or starts it afresh when it has none).
