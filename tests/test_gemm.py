@@ -161,8 +161,8 @@ def test_fp8_exact_tail_equals_the_emulation_up_to_the_accumulation_order(shape)
     m, k, n = shape
     a, b = grid_operand((m, k), 2.7, seed=1, tiny=5), grid_operand((n, k), 41.3, seed=2, tiny=3).t()
     bias = torch.randn(n)
-    emulated = scaled_mm(a, b, torch.float32, None, bias)
-    fp8 = scaled_mm(a, b, torch.float32, TAIL_EXACT, bias)
+    emulated = scaled_mm(a, b, torch.float32, bias=bias)
+    fp8 = scaled_mm(a, b, torch.float32, bias=bias, fp8_tail=TAIL_EXACT)
     assert fp8.shape == (m, n)
     assert ((fp8.double() - emulated.double()).abs() <= accumulation_bound(a, b)).all()
 
@@ -184,7 +184,7 @@ def test_fp8_applies_the_emulated_decode_factor_once(tail, scales):
     (the two decode scales rounded apart, as _scaled_mm's two scale arguments invite, differ for such scales)."""
     a, b = coarse_grid_operand((48, 64), scales[0], seed=1), coarse_grid_operand((40, 64), scales[1], seed=2).t()
     emulated = scaled_mm(a, b, torch.float32)
-    fp8 = scaled_mm(a, b, torch.float32, tail)
+    fp8 = scaled_mm(a, b, torch.float32, fp8_tail=tail)
     assert torch.equal(fp8, emulated), f"{int((fp8 != emulated).sum())} of {fp8.numel()} differ"
     accumulator = a.values @ b.values  # exact here
     apart = accumulator * (1 / (a.scale.double() * 16)).float() * (1 / (b.scale.double() * 16)).float() * 256
@@ -193,7 +193,7 @@ def test_fp8_applies_the_emulated_decode_factor_once(tail, scales):
 
 def test_fp8_drop_leaves_out_the_tail_and_its_error_is_measured():
     a, b = grid_operand((40, 96), 2.7, seed=3, tiny=11), grid_operand((24, 96), 41.3, seed=4, tiny=7).t()
-    dropped = scaled_mm(a, b, torch.float32, TAIL_DROP)
+    dropped = scaled_mm(a, b, torch.float32, fp8_tail=TAIL_DROP)
     # the tail, independently: the values that are not E4M3 after the shift (16 for max_val 15)
     def without_tail(op: Operand) -> Operand:
         shifted = op.values * shift_for(15.0)

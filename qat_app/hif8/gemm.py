@@ -105,8 +105,8 @@ def _fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()  # widening a grid value (or a bf16 / fp16 value) to fp32 is exact
 
 
-def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, fp8_tail: str | None = None,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
+              fp8_tail: str | None = None) -> torch.Tensor:
     """``a @ b (+ bias)`` of 2-D operands in ``out_dtype``: over the grid with the decode factor and the bias on the
     fp32 accumulator when either is quantized (on FP8 tensor cores when ``fp8_tail`` is given and both are), else
     the plain product."""
@@ -122,13 +122,13 @@ def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, fp8_tail: str | No
     return accumulator.to(out_dtype)
 
 
-def scaled_linear(x: Operand, w: Operand, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+def scaled_linear(x: Operand, w: Operand, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
                   fp8_tail: str | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for an N-D ``x`` (``[..., in]``) and a ``[out, in]`` weight (:func:`scaled_mm`; two
     unquantized operands go through ``F.linear``, as an unquantized layer)."""
     if not (x.quantized or w.quantized):
         return F.linear(x.values.to(out_dtype), w.values.to(out_dtype), bias)
-    out = scaled_mm(x.flat(), w.t(), out_dtype, fp8_tail, bias).contiguous()
+    out = scaled_mm(x.flat(), w.t(), out_dtype, bias=bias, fp8_tail=fp8_tail).contiguous()
     # not a view of the 2-D product (as torch.matmul returns it): a custom Function's output that is a view
     # could not be modified in place, and copying it would cost one more pass
     return torch.ops.aten._unsafe_view(out, (*x.values.shape[:-1], out.shape[-1]))

@@ -350,7 +350,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
             b = bias.to(dtype) if bias is not None else None
             w_op = plan.operand(w_saved, w_scale, plan.weight_max_val, w_values)
             with profiled(GEMM):
-                out = scaled_linear(x_op, w_op, dtype, b, plan.tail)
+                out = scaled_linear(x_op, w_op, dtype, bias=b, fp8_tail=plan.tail)
         if out._base is not None:
             # an output of a custom Function that is a view may not be modified in place (Falcon's
             # `mlp_output += ...`); scaled_linear returns none, this guards the rule
@@ -373,14 +373,14 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dgrad: g @ W, with W's decode scale
             w_op = plan.operand(w_saved, w_scale, plan.weight_max_val)
             with profiled(GEMM):
-                grad_x = scaled_mm(g2, w_op, plan.dtype, plan.tail).reshape(*g.values.shape[:-1], -1)
+                grad_x = scaled_mm(g2, w_op, plan.dtype, fp8_tail=plan.tail).reshape(*g.values.shape[:-1], -1)
             if x_mask is not None:
                 grad_x = grad_x * x_mask
             grad_x = grad_x.to(x_dtype)
         if ctx.needs_input_grad[1]:  # wgrad: g.T @ x, with x's decode scale
             x_op = plan.operand(x_saved, x_scale, plan.input_scaler.max_val)
             with profiled(GEMM):
-                grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, plan.tail)
+                grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, fp8_tail=plan.tail)
             if w_mask is not None:
                 grad_w = grad_w * w_mask
             grad_w = grad_w.to(w_dtype)
