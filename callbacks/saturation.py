@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+from typing import NamedTuple
 
 import lightning as L
 import torch
@@ -91,9 +92,19 @@ def clip_headrooms(tensors) -> dict[str, float]:
         for name, layer, operand in tensors}
 
 
-def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN, tensors=None) -> tuple | None:
-    """(the max_val grid with the run's own added, operand -> the run's max_val, format, margin, power_2, the block
-    pattern) of ``model``'s quantized tensors (``tensors``: :func:`~qat_app.hif8.fallback.quantized_tensors`'s, when
+class HeadroomSetup(NamedTuple):
+    """What the what-if headroom needs of a model's quantized tensors, found once at setup."""
+
+    grid: tuple[float, ...]  # the max_val grid, the run's own added
+    run_max_val: dict[str, float]  # operand -> the run's max_val
+    fmt_name: str
+    margin: float
+    power_2: bool
+    block_pattern: str
+
+
+def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN, tensors=None) -> HeadroomSetup | None:
+    """The :class:`HeadroomSetup` of ``model``'s quantized tensors (``tensors``: :func:`~qat_app.hif8.fallback.quantized_tensors`'s, when
     at hand; None without any); a grid the format cannot hold names ``saturation.headroom_grid``."""
     tensors = quantized_tensors(model) if tensors is None else tensors
     if not tensors:
@@ -107,7 +118,8 @@ def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN, tens
     with settings_of("saturation"):
         values = validate_grid(grid, layer.format.name, "headroom_grid")
     values = tuple(sorted(set(values) | set(run_max_val.values())))
-    return values, run_max_val, layer.format.name, float(scaler.margin), bool(scaler.power_2), block_pattern
+    return HeadroomSetup(values, run_max_val, layer.format.name, float(scaler.margin), bool(scaler.power_2),
+                         block_pattern)
 
 
 # what saturation_summary.json's figures mean (its "definition" entry)
@@ -157,7 +169,7 @@ class AmaxSaturationCallback(L.Callback):
                               "saturation.health true, or saturation.headroom false")
         self.headroom = health if headroom is None else headroom
         self.headroom_grid = headroom_grid
-        self._headroom_setup: tuple | None = None  # what headroom_setup returns, at setup
+        self._headroom_setup: HeadroomSetup | None = None  # found at setup
         self.headroom_last: dict | None = None  # the last measured step's digest (qat_app.hif8.headroom.digest)
         if forecast_horizon is not None and not (isinstance(forecast_horizon, int) and forecast_horizon > 0):
             raise ConfigError(f"saturation.forecast_horizon: must be a positive number of optimizer steps, got "

@@ -32,6 +32,7 @@ numeric health of the input, the weight and the (quantized) output gradient. Bot
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,15 @@ SCALER_OF = dict(zip(OPERANDS, SCALER_NAMES))
 # quantized
 FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
 FALLBACK_TARGETS = (FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION)
+
+
+class WeightOperand(NamedTuple):
+    """The weight as a quantized matmul's forward and backward take it (:meth:`QuantizedMatmul.quantized_weight`)."""
+
+    saved: torch.Tensor  # uint8 codes, the 16-bit grid values, or the weight itself (not quantized)
+    scale: torch.Tensor | None  # None: ``saved`` is used as it is
+    mask: torch.Tensor | None  # ste="clipped": where the gradient passes
+    values: torch.Tensor | None  # on the call that quantized it: what the quantization wrote (no decode needed)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -191,9 +201,8 @@ class QuantizedMatmul(nn.Module):
         return self._exported_key is not None and self._exported_key == self.weight_key(weight)
 
     # ------------------------------------------------------------------------------- the forward
-    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool = False):
-        """-> (saved: uint8 codes or the weight itself, scale or None, clipped-mask or None, values or None): the
-        weight operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
+    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool = False) -> "WeightOperand":
+        """-> :class:`WeightOperand`: the weight operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
         when not); ``values``: on the call that quantized it, what the quantization wrote (the grid values with
         ``grid``, else the dequantized weight), so that this forward needs no decode of the codes.
 
@@ -206,8 +215,8 @@ class QuantizedMatmul(nn.Module):
         if self._exported_key is not None and self.quantize_weights and not self.training and self.is_exported(weight):
             if self._exported_codes is not None:  # the exported codes and scale: what training computed
                 codes, scale = self._exported_codes
-                return codes.to(weight.device), scale.to(weight.device), None, None
-            return weight.detach().to(dtype), None, None, None  # already decode(codes)/scale: used as it is
+                return WeightOperand(codes.to(weight.device), scale.to(weight.device), None, None)
+            return WeightOperand(weight.detach().to(dtype), None, None, None)  # already decode(codes)/scale: as it is
         scaler = self.weight_scaler
         health = self.measure_health and self.training  # in the key: a cache made without health is remade
         key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste,
@@ -232,7 +241,7 @@ class QuantizedMatmul(nn.Module):
         _, saved, scale, mask, stats = self._weight_cache
         if self.training and not scaler.observed_this_step:
             scaler.observe(*stats[:2], weight.numel(), *stats[2:])
-        return saved, scale, mask, values
+        return WeightOperand(saved, scale, mask, values)
 
     def release_weight_cache(self) -> None:
         """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
