@@ -155,6 +155,20 @@ def floor_lines(floor: NoiseFloorCallback | None) -> list[str]:
     return lines
 
 
+def interval_lines(trainer: L.Trainer) -> list[str]:
+    """The validation and checkpoint intervals in optimizer steps (``val_check_interval`` counts micro-batches)."""
+    parts = []
+    interval, accumulate = trainer.val_check_interval, max(1, int(trainer.accumulate_grad_batches or 1))
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        parts.append(f"validation every {interval / accumulate:g} optimizer steps (val_check_interval {interval} "
+                     f"micro-batches / {accumulate} per step)")
+    checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+    every = getattr(checkpoint, "_every_n_train_steps", 0) if checkpoint is not None else 0
+    if every:
+        parts.append(f"checkpoints every {every} optimizer steps")
+    return [f"intervals     {'; '.join(parts)}"] if parts else []
+
+
 def _show(path: str | None) -> str:
     """A path relative to the working directory when it is inside it (shorter, and what the user typed)."""
     if not path:
@@ -213,7 +227,8 @@ class RunSummaryCallback(L.Callback):
 
     def render(self, trainer: L.Trainer, log_dir: str | None, sat: dict | None, sat_file: str | None) -> str:
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
-        lines = [f"=== run summary: {trainer.global_step} of {trainer.max_steps} optimizer steps ==="]
+        lines = [f"=== run summary: {trainer.global_step} of {trainer.max_steps} optimizer steps ===",
+                 *interval_lines(trainer)]
         if "train/loss" in m:
             lines.append(f"train loss    {m['train/loss']:.4f} (last step)")
         if "val/loss" in m:

@@ -153,3 +153,17 @@ def test_command_line_run_has_no_args_warning(tmp_path, tiny_model_dir, tiny_cor
     with pytest.raises(SystemExit):
         cli.main()
     assert not [w for w in recwarn if "args parameter is intended" in str(w.message)]
+
+
+def test_the_intervals_are_said_in_optimizer_steps():
+    """val_check_interval counts micro-batches; the summary says what that is in optimizer steps."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from callbacks.run_summary import interval_lines
+
+    trainer = L.Trainer(val_check_interval=48, check_val_every_n_epoch=None, accumulate_grad_batches=4,
+                        callbacks=[ModelCheckpoint(every_n_train_steps=5)], logger=False, accelerator="cpu",
+                        enable_progress_bar=False, enable_model_summary=False)
+    assert interval_lines(trainer) == ["intervals     validation every 12 optimizer steps (val_check_interval 48 "
+                                       "micro-batches / 4 per step); checkpoints every 5 optimizer steps"]
