@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,13 +20,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.gpu_fit_check import run_main  # noqa: E402
+
 
 def export(ckpt: str, out: Path, fmt: str) -> int:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    with open(out.with_suffix(".log"), "w") as log:
-        return subprocess.run([sys.executable, str(ROOT / "main.py"), "export", "--ckpt_path", ckpt, "--out", str(out),
-                               "--format", fmt, "--overwrite"], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT).returncode
+    return run_main(["export", "--ckpt_path", ckpt, "--out", str(out), "--format", fmt, "--overwrite"],
+                    out.with_suffix(".log"), mode="w")
 
 
 def main(argv: list[str] | None = None) -> int:

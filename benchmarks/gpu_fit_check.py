@@ -138,13 +138,19 @@ def fit_config(args, work: Path, name: str, model_dir: Path, corpus: str, callba
     return run
 
 
-def fit(run: Path, *extra: str) -> tuple[int, float]:
+def run_main(args: list[str], log_path: Path, mode: str = "a") -> int:
+    """``python main.py ARGS`` from the repository root (the root on ``PYTHONPATH``), its output written to
+    ``log_path`` (opened with ``mode``: appended by default) -> its exit status."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with open(log_path, mode) as log:
+        return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=ROOT, env=env, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+
+
+def fit(run: Path, *extra: str) -> tuple[int, float]:
     start = time.perf_counter()
-    with open(run / "fit.log", "a") as log:
-        done = subprocess.run([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(run / "config.yaml"), *extra],
-                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return done.returncode, time.perf_counter() - start
+    code = run_main(["fit", "--config", str(run / "config.yaml"), *extra], run / "fit.log")
+    return code, time.perf_counter() - start
 
 
 def steps_of(run: Path) -> dict[int, dict]:

@@ -41,16 +41,14 @@ into a few fused passes over the tensor (plain torch would take dozens: the HiF8
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
 
 import torch
 
-from .backends import compiled as compiled_backend
-from .backends.compiled import compiles_exact_division
-from .backends.reference import current_scale, raw_current_scale, whatif_counts
+from .backends.compiled import compiled_function, compiles_exact_division
+from .backends.reference import current_scale, dequantized, raw_current_scale, whatif_counts
 from .formats import Float8Format, _f32_bits, _mantissa_bits
 from .recipe import AMAX_ALGOS
 
@@ -109,18 +107,18 @@ def measure_health(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Fl
     for bit the fake quantization's output (the value the matmul's product stands for).
     ``fused``: see :func:`_run` (compiled, the counts are the same; the float64 sums may differ in the last bit,
     being summed in another order)."""
-    x = x.detach()
-    if grid is None:
-        if _divides_exactly(fused, x):
-            joint_index, sums = _run(_rounded_parts, fused, x, scale.detach(), float(max_val), fmt, noise)
-            return _health_vector(joint_index, sums)
-        grid = _run(_rounded_grid, fused, x, scale.detach(), float(max_val), fmt, noise)
+    x, scale = x.detach(), scale.detach()
     if _divides_exactly(fused, x):
-        joint_index, sums = _run(_health_parts, fused, x, grid.detach(), scale.detach(), fmt)
+        if grid is None:
+            parts = _run(_rounded_parts, fused, x, scale, float(max_val), fmt, noise)
+        else:
+            parts = _run(_health_parts, fused, x, grid.detach(), scale, fmt)
     else:  # the division in plain torch (see :func:`_divides_exactly`), the rest compiled
-        dequantized = (grid.detach().float() / scale.detach().to(x.device)).to(x.dtype)
-        joint_index, sums = _run(_dequantized_parts, fused, x, grid.detach(), dequantized, fmt)
-    return _health_vector(joint_index, sums)
+        if grid is None:
+            grid = _run(_rounded_grid, fused, x, scale, float(max_val), fmt, noise)
+        grid = grid.detach()
+        parts = _run(_dequantized_parts, fused, x, grid, dequantized(grid, scale, x.dtype), fmt)
+    return _health_vector(*parts)
 
 
 def _divides_exactly(fused: str, x: torch.Tensor) -> bool:
@@ -144,7 +142,7 @@ def _rounded_parts(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Fl
 def _health_parts(x: torch.Tensor, grid: torch.Tensor, scale: torch.Tensor,
                   fmt: Float8Format) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_dequantized_parts` with the dequantized tensor ``(q / scale)`` in ``x``'s dtype computed here."""
-    return _dequantized_parts(x, grid, (grid.float() / scale).to(x.dtype), fmt)
+    return _dequantized_parts(x, grid, dequantized(grid, scale, x.dtype), fmt)
 
 
 def _dequantized_parts(x: torch.Tensor, grid: torch.Tensor, dequantized: torch.Tensor,
@@ -255,11 +253,6 @@ def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Te
 
 
 # ----------------------------------------------------------------------------------------------- how they run
-@functools.lru_cache(maxsize=None)
-def _compiled(fn, compiler):
-    return torch.compile(fn, dynamic=True, backend=compiler)
-
-
 _compile_failed: set = set()  # the functions whose compilation failed here ("auto" then runs them in plain torch)
 
 
@@ -270,7 +263,7 @@ def _run(fn, fused: str, *args):
     Tensors come detached (``requires_grad`` would be one more compilation)."""
     if fused != "off" and fn not in _compile_failed and os.environ.get("QAT_APP_NO_COMPILE") != "1":
         try:
-            return _compiled(fn, compiled_backend.COMPILER)(*args)
+            return compiled_function(fn)(*args)
         except Exception as err:
             if fused == "on":
                 raise

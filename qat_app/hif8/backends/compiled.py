@@ -35,6 +35,11 @@ def _compiled(fn: Callable, compiler: str | Callable) -> Callable:
     return torch.compile(fn, dynamic=True, backend=compiler)
 
 
+def compiled_function(fn: Callable) -> Callable:
+    """``fn`` under ``torch.compile`` (dynamic shapes, :data:`COMPILER`), compiled once per function."""
+    return _compiled(fn, COMPILER)
+
+
 def compiles_exact_division(device_type: str) -> bool:
     """Whether inductor's code for ``device_type`` divides as IEEE does (its C++ on the CPU; not its Triton)."""
     return device_type == "cpu"
@@ -64,7 +69,7 @@ class CompiledBackend:
             try:
                 shape = args[0].shape
                 flat = [a.reshape(-1) if isinstance(a, torch.Tensor) and a.shape == shape else a for a in args]
-                out = _compiled(fn, COMPILER)(*flat)
+                out = compiled_function(fn)(*flat)
                 return _restore_shape(out, shape) if like_input else out
             except Exception as err:  # a missing compiler must not stop training: fall back, same numbers
                 if self.required:
@@ -106,4 +111,4 @@ class CompiledBackend:
     def dequantize(self, codes, scale, fmt_name, dtype) -> torch.Tensor:
         if not self.exact_division or scale is None:
             return self._run(reference.dequantize_codes, codes, scale, fmt_name, dtype)
-        return (self._run(reference.decode_grid, codes, fmt_name) / scale.to(codes.device)).to(dtype)
+        return reference.dequantized(self._run(reference.decode_grid, codes, fmt_name), scale, dtype)

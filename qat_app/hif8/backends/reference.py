@@ -41,8 +41,13 @@ def quantize_to_grid(x: torch.Tensor, scale: torch.Tensor, max_val: float, clip_
 
 def divide_by_scale(result: FakeQuantResult, scale: torch.Tensor, dtype: torch.dtype) -> FakeQuantResult:
     """:func:`quantize_to_grid`'s result with ``(q / scale).to(dtype)`` as its output, the float32 grid dropped."""
+    return result._replace(dequantized=dequantized(result.grid, scale, dtype), grid=None)
+
+
+def dequantized(grid: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(q / scale).to(dtype)`` of grid values ``q``: the contract's one division, in float32."""
     # a CPU scale with a CUDA grid would be divided as a Python number (times its reciprocal): the same device
-    return result._replace(dequantized=(result.grid / scale.to(result.grid.device)).to(dtype), grid=None)
+    return (grid.float() / scale.to(grid.device)).to(dtype)
 
 
 def whatif_counts(x: torch.Tensor, scales: torch.Tensor, clip_threshold: float) -> torch.Tensor:
@@ -96,7 +101,7 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor | None, fmt_name: str, dtype: torch.dtype) -> torch.Tensor:
     """``decode(codes) / scale`` in ``dtype``; with ``scale=None`` the grid values themselves (exact in any float)."""
     values = decode_grid(codes, fmt_name)
-    return (values if scale is None else values / scale).to(dtype)
+    return values.to(dtype) if scale is None else dequantized(values, scale, dtype)
 
 
 def decode_grid(codes: torch.Tensor, fmt_name: str) -> torch.Tensor:
