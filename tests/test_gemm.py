@@ -21,8 +21,9 @@ from torch import nn
 from qat_app.config import QuantConfig
 from qat_app.hif8.errors import FieldError, RecipeError
 from qat_app.hif8.formats import get_format
-from qat_app.hif8.fp8_gemm import FP8_TAILS, TAIL_DROP, TAIL_EXACT, _pad, shift_for
-from qat_app.hif8.gemm import Operand, decode_factor, resolve_gemm, scaled_mm
+from qat_app.hif8.fp8_gemm import (FP8_TAILS, TAIL_DROP, TAIL_EXACT, _pad, e4m3_parts, e4m3_parts_of_codes,
+                                   fp8_available, shift_for)
+from qat_app.hif8.gemm import Operand, apply_decode, decode_factor, decode_factors, resolve_gemm, scaled_mm
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.recipe import RuntimeOptions
 from qat_app.hif8.training import sync_and_advance
@@ -177,15 +178,27 @@ def coarse_grid_operand(shape, scale: float, seed: int) -> Operand:
     return Operand(values, torch.tensor(scale))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tail", FP8_TAILS)
 @pytest.mark.parametrize("scales", [(2.7, 41.3), (0.37, 15 / 7.3), (15 / 3.1, 15 / 0.093)])
-def test_fp8_applies_the_emulated_decode_factor_once(tail, scales):
+def test_fp8_applies_the_emulated_decode_factor_once(tail, scales, out_dtype, device):
     """Where the accumulation is exact, fp8 and emulated agree bit for bit: one factor 1 / (s_a s_b) rounded once
-    (the two decode scales rounded apart, as _scaled_mm's two scale arguments invite, differ for such scales)."""
+    (the two decode scales rounded apart, as _scaled_mm's two scale arguments invite, differ for such scales).
+    On CUDA with the tail dropped the factor rides in _scaled_mm's own epilogue, with a bf16 output."""
+    if device == "cuda" and not fp8_available("cuda")[0]:
+        pytest.skip("no FP8 tensor cores")
     a, b = coarse_grid_operand((48, 64), scales[0], seed=1), coarse_grid_operand((40, 64), scales[1], seed=2).t()
-    emulated = scaled_mm(a, b, torch.float32)
-    fp8 = scaled_mm(a, b, torch.float32, fp8_tail=tail)
+    emulated = scaled_mm(a, b, out_dtype)
+    a, b = (Operand(op.values.to(device), op.scale.to(device)) for op in (a, b))
+    fp8 = scaled_mm(a, b, out_dtype, fp8_tail=tail).cpu()
+    assert fp8.dtype == out_dtype
     assert torch.equal(fp8, emulated), f"{int((fp8 != emulated).sum())} of {fp8.numel()} differ"
+    if out_dtype != torch.float32:
+        return
     accumulator = a.values @ b.values  # exact here
     apart = accumulator * (1 / (a.scale.double() * 16)).float() * (1 / (b.scale.double() * 16)).float() * 256
     assert not torch.equal(apart, emulated)  # what two separately rounded scales would give: the test can fail
@@ -246,6 +259,25 @@ def test_fp8_where_it_cannot_run_is_refused_naming_the_setting(caplog):
         RuntimeOptions(fp8_tail="keep")
 
 
+@pytest.mark.parametrize("faster", ["fp8", "emulated"])
+def test_auto_picks_the_faster_gemm_where_fp8_tensor_cores_are_and_says_so(monkeypatch, caplog, faster):
+    """Timed for real on this machine's GEMMs (a small shape), then with the timings set so that each one wins."""
+    from qat_app.hif8 import gemm as gemm_module
+
+    measured = gemm_module.time_gemms(torch.device("cpu"), (64, 32, 48), repeats=2)
+    assert set(measured) == {"emulated", "fp8"} and all(t > 0 for t in measured.values())
+    monkeypatch.setattr(gemm_module, "_resolved", {})
+    monkeypatch.setattr(gemm_module, "fp8_tensor_cores", lambda device: True)
+    timings = {"fp8": 1e-3, "emulated": 2e-3} if faster == "fp8" else {"fp8": 3e-3, "emulated": 2e-3}
+    monkeypatch.setattr(gemm_module, "time_gemms", lambda device, shape: timings)
+    with caplog.at_level(logging.INFO, logger="qat_app.hif8.gemm"):
+        assert resolve_gemm("auto", "cpu") == faster
+        assert resolve_gemm("auto", "cpu") == faster  # once per device
+    lines = [r.getMessage() for r in caplog.records if "gemm=auto" in r.getMessage()]
+    assert lines == [f"gemm=auto on cpu: {faster} (a 8192x1536x6144 GEMM: fp8 {timings['fp8'] * 1e3:.3f} ms, "
+                     f"emulated {timings['emulated'] * 1e3:.3f} ms)"]
+
+
 # ------------------------------------------------------------------------------------------- power-of-two scales
 def test_power_of_two_scales_round_down_and_keep_the_statistics_consistent():
     from qat_app.hif8.scaling import AmaxScaler
@@ -300,3 +332,78 @@ def test_fp8_is_refused_at_start_naming_the_setting(monkeypatch, tmp_path, tiny_
     with pytest.raises(ConfigError, match=r"model\.quant\.gemm: fp8 cannot run on cpu: no FP8 tensor cores here "
                                           r"\(test\); use gemm: emulated"):
         cli.cli_main(["fit", "--config", config])
+
+
+# ----------------------------------------------------------------------------- the epilogue, the E4M3 operands
+def test_a_layers_three_decode_factors_made_at_once_are_decode_factors_bits():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(500):  # scales over 2^-60..2^60: products that would overflow or underflow in float32 too
+        s_x, s_w = torch.exp(torch.randn(2, generator=gen) * 20)
+        made = decode_factors(s_x, s_w)
+        assert torch.equal(made, torch.stack([decode_factor(s_x, s_w), decode_factor(s_x), decode_factor(s_w)]))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_epilogue_rounds_as_the_contract_says_in_one_pass(out_dtype, with_bias):
+    """acc x decode (+ bias), each rounded to fp32, then once to the output dtype: the same bits as the three ops
+    written apart, with the cast done by the last op's write."""
+    gen = torch.Generator().manual_seed(5)
+    accumulator = torch.randn(64, 48, generator=gen) * 1e3
+    decode = torch.tensor(1 / 3.7)
+    bias = (torch.randn(48, generator=gen) * 10).to(torch.bfloat16) if with_bias else None
+    expected = accumulator * decode
+    if bias is not None:
+        expected = expected + bias.float()
+    ours = apply_decode(accumulator.clone(), decode, out_dtype, bias)
+    assert ours.dtype == out_dtype and ours.is_contiguous()
+    assert torch.equal(ours, expected.to(out_dtype))
+
+
+@pytest.mark.parametrize("tail", FP8_TAILS)
+@pytest.mark.parametrize("shape", [(16, 256), (37, 70)])
+def test_the_e4m3_parts_of_codes_are_those_of_their_grid_values(tail, shape):
+    """Whether a grid value is E4M3 depends on its code alone: the table lookup gives the bytes the conversion of
+    the decoded grid values gives, for every code (the padding included)."""
+    fmt = get_format("hif8")
+    codes = torch.arange(256, dtype=torch.uint8).repeat(shape[0] * shape[1] // 256 + 1)[:shape[0] * shape[1]]
+    codes = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(0))].reshape(shape)
+    grid = torch.from_numpy(codes.numpy().view(HIF8).astype(np.float32))  # en_dtypes decodes the codes
+    ours, theirs = e4m3_parts_of_codes(codes, fmt.name, 15.0, tail), e4m3_parts(grid, 15.0, tail)
+    assert len(ours) == len(theirs) == (2 if tail == TAIL_EXACT else 1)
+    for (mine, shift), (reference, reference_shift) in zip(ours, theirs):
+        assert shift == reference_shift and mine.shape == reference.shape
+        assert torch.equal(mine.view(torch.uint8), reference.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tail", FP8_TAILS)
+def test_fp8_from_codes_equals_fp8_from_grid_values(tail):
+    a = grid_operand((40, 96), 2.7, seed=3, tiny=11)
+    codes = torch.from_numpy(a.values.numpy().astype(HIF8).view(np.uint8))
+    b = grid_operand((24, 96), 41.3, seed=4, tiny=7).t()
+    with_codes = scaled_mm(Operand(a.values, a.scale, codes=codes), b, torch.bfloat16, fp8_tail=tail)
+    assert torch.equal(with_codes, scaled_mm(a, b, torch.bfloat16, fp8_tail=tail))
+
+
+def test_an_fp8_layer_converts_its_weight_to_e4m3_once_per_optimizer_step(monkeypatch):
+    """Micro-batches of one step reuse the weight's E4M3 parts; the step after makes them anew; the outputs are
+    those of a layer that converts the weight on every call."""
+    from qat_app.hif8 import quantized
+
+    calls = []
+    monkeypatch.setattr(quantized, "e4m3_parts_of_codes", lambda *a: calls.append(1) or e4m3_parts_of_codes(*a))
+    torch.manual_seed(0)
+    layer = HiF8Linear.from_linear(nn.Linear(48, 40, bias=False), **QuantConfig(
+        fused="off", gemm="fp8", history_len=4).layer_options())
+    x = torch.randn(2, 5, 48)
+    layer(x).sum().backward()
+    sync_and_advance(layer)
+    calls.clear()
+    outs = [layer(x) for _ in range(3)]  # three micro-batches
+    assert len(calls) == 1
+    layer.release_weight_cache()
+    assert all(torch.equal(out, layer(x)) for out in outs)
+    sync_and_advance(layer)
+    calls.clear()
+    layer(x)
+    assert len(calls) == 1

@@ -52,7 +52,8 @@ def test_quantized_linear_keeps_its_input_as_one_byte_codes_and_its_weight_as_16
     assert [t.dtype for t in weight_sized] == [torch.bfloat16]  # the weight's grid values, exact in bf16
     grid = weight_sized[0].float()  # the values of w * s on the HiF8 grid, amax at 15 (current scaling: no history)
     assert torch.equal(get_format("hif8").round_f32(grid), grid) and grid.abs().max() == 15
-    assert all(t.numel() == 1 for t in saved if t.numel() not in (x.numel(), layer.weight.numel()))  # the scales
+    # besides: the scales, and the three GEMMs' decode factors made at once
+    assert all(t.numel() in (1, 3) for t in saved if t.numel() not in (x.numel(), layer.weight.numel()))
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
@@ -72,5 +73,6 @@ def test_quantized_model_saves_exactly_the_8bit_difference(tiny_llama, bf16):
     # 2-byte grid values vs nothing extra (fp32 keeps the parameter) or a 2-byte copy (autocast)
     input_saving = tokens * (config.hidden_size * (4 - 2) + config.intermediate_size * (compute_bytes - 1))
     weight_saving = report.num_params * ((2 - 2) if bf16 else -2)
-    scales = 2 * report.num_linears * 4  # one float32 scale saved per quantized input and weight
+    # one float32 scale saved per quantized input and weight, and each linear's three float32 decode factors
+    scales = 2 * report.num_linears * 4 + 3 * report.num_linears * 4
     assert plain - quantized == input_saving + weight_saving - scales

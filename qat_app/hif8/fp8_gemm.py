@@ -22,9 +22,12 @@ the accumulation order; the bias is added and the result rounded once to the out
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+from .kernel_count import counted_call
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -96,20 +99,62 @@ def e4m3_parts(values: torch.Tensor, max_val: float, tail: str) -> list[tuple[to
     return parts
 
 
-def fp8_mm(a: torch.Tensor, a_max_val: float, b_t: torch.Tensor, b_max_val: float, decode: torch.Tensor,
-           tail: str) -> torch.Tensor:
-    """``(a @ b_t.T) x decode`` (``a`` ``[M, K]``, ``b_t`` ``[N, K]`` grid values; ``decode`` the emulated GEMM's one
-    float32 factor ``1 / (s_a s_b)``, rounded once): fp32 ``[M, N]``, the emulated product up to the accumulation
-    order. ``_scaled_mm``'s scales only take the shifts off (powers of two: exact whether it applies them to
-    the operands, as the CPU's does, or to the accumulator), so each part is in grid units; the factor multiplies
-    their fp32 sum."""
-    rows, cols = a.shape[0], b_t.shape[0]
-    parts_a, parts_b = e4m3_parts(a, a_max_val, tail), e4m3_parts(b_t, b_max_val, tail)
-    one = torch.ones((), dtype=torch.float32, device=a.device)
+@functools.lru_cache(maxsize=None)
+def _code_tables(fmt_name: str, max_val: float, device: torch.device) -> torch.Tensor:
+    """uint8 ``[2, 256]``: for each 8-bit code, the byte of its E4M3 main part and of its tail part (what
+    :func:`e4m3_parts` makes of the code's grid value: whether a grid value fits E4M3 depends on its code alone)."""
+    from .backends.reference import decode_grid
+
+    grid = decode_grid(torch.arange(256, dtype=torch.uint8), fmt_name).reshape(16, 16)
+    main, tail = e4m3_parts(grid, max_val, TAIL_EXACT)
+    return torch.stack([main[0].reshape(-1), tail[0].reshape(-1)]).view(torch.uint8).to(device)
+
+
+def e4m3_parts_of_codes(codes: torch.Tensor, fmt_name: str, max_val: float, tail: str) -> list[tuple[torch.Tensor, float]]:
+    """:func:`e4m3_parts` of the grid values whose 8-bit codes are ``codes`` ``[rows, K]``, by a table lookup: one
+    pass reading and writing a byte per element, instead of converting and checking 16-bit grid values."""
+    tables = _code_tables(fmt_name, float(max_val), codes.device)
+    padded = _pad(codes)
+    parts = [(_gather(tables[0], padded).view(E4M3), shift_for(max_val))]
+    if tail == TAIL_EXACT:
+        parts.append((_gather(tables[1], padded).view(E4M3), shift_for(max_val) * TAIL_SHIFT))
+    return parts
+
+
+def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    return table[codes.int()]
+
+
+def _gather(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``table[codes]``: one kernel on a GPU (compiled: the index widening fused into the gather)."""
+    from .backends.compiled import compiled_function
+
+    return counted_call("e4m3_from_codes", compiled_function(_lookup) if codes.is_cuda else _lookup, table, codes)
+
+
+def fp8_mm(parts_a: list[tuple[torch.Tensor, float]], rows: int, parts_b: list[tuple[torch.Tensor, float]], cols: int,
+           decode: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a @ b_t.T) x decode`` in ``out_dtype`` from the E4M3 parts of ``a`` ``[M, K]`` and ``b_t`` ``[N, K]``
+    (:func:`e4m3_parts`; ``rows``, ``cols``: M and N before padding); ``decode`` is the emulated GEMM's one float32
+    factor ``1 / (s_a s_b)``, rounded once: the emulated product up to the accumulation order.
+
+    On CUDA, one part each (the tail dropped): the factor rides in ``scale_a`` with the shift taken off (a power of
+    two: exact), ``scale_b`` is a power of two, so cuBLAS's epilogue computes ``acc x decode`` rounded once to fp32,
+    then to ``out_dtype``, with no pass over an fp32 result. Elsewhere (the CPU's ``_scaled_mm`` applies its
+    scales to the operands, so a factor there would round each element) and with a tail, ``_scaled_mm``'s scales
+    only take the shifts off, so each part is in grid units; the factor then multiplies their fp32 sum in the
+    epilogue pass of :func:`.gemm.apply_decode`. Returns fp32 (the caller applies the factor) or ``out_dtype``
+    (applied): the second value says which."""
+    one = torch.ones((), dtype=torch.float32, device=decode.device)
+    if len(parts_a) == 1 and len(parts_b) == 1 and parts_a[0][0].is_cuda:
+        (a8, shift_a), (b8, shift_b) = parts_a[0], parts_b[0]
+        out = torch._scaled_mm(a8, b8.t(), scale_a=decode.reshape(()).float() * (1.0 / shift_a),
+                               scale_b=one * (1.0 / shift_b), out_dtype=out_dtype)
+        return out[:rows, :cols], True
     out = None
     for a8, shift_a in parts_a:
         for b8, shift_b in parts_b:
             part = torch._scaled_mm(a8, b8.t(), scale_a=one * (1.0 / shift_a), scale_b=one * (1.0 / shift_b),
                                     out_dtype=torch.float32)
             out = part if out is None else out.add_(part)
-    return out.mul_(decode.reshape(()).float())[:rows, :cols]
+    return out[:rows, :cols], False

@@ -48,6 +48,7 @@ import os
 import torch
 
 from .backends.compiled import compiled_function, compiles_exact_division
+from .kernel_count import counted_call
 from .backends.reference import current_scale, dequantized, raw_current_scale, whatif_counts
 from .formats import Float8Format, _f32_bits, _mantissa_bits
 from .recipe import AMAX_ALGOS
@@ -232,8 +233,7 @@ def whatif_from_delayed(delayed_counts: torch.Tensor, amax: torch.Tensor, max_va
     :func:`whatif_clipped` makes, without reading the tensor again."""
     _, usable = raw_current_scale(amax.float(), max_val, margin)
     most_recent = delayed_counts[DELAYED_ALGOS.index("most_recent")]
-    current = torch.where(usable, torch.zeros_like(most_recent), most_recent)
-    return torch.cat([delayed_counts, current.reshape(1)])
+    return torch.cat([delayed_counts, most_recent.masked_fill(usable, 0).reshape(1)])
 
 
 def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Tensor, max_val: float, margin: float,
@@ -263,7 +263,7 @@ def _run(fn, fused: str, *args):
     Tensors come detached (``requires_grad`` would be one more compilation)."""
     if fused != "off" and fn not in _compile_failed and os.environ.get("QAT_APP_NO_COMPILE") != "1":
         try:
-            return compiled_function(fn)(*args)
+            return counted_call(fn.__name__, compiled_function(fn), *args)
         except Exception as err:
             if fused == "on":
                 raise

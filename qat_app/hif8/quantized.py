@@ -40,7 +40,9 @@ from torch import nn
 
 from .fake_quant import dequantize_codes, saturated_mask
 from .formats import Float8Format, get_format
-from .gemm import GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, Operand, column_sums, resolve_gemm, scaled_linear, scaled_mm
+from .fp8_gemm import e4m3_parts_of_codes
+from .gemm import (GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, Operand, column_sums, decode_factors, resolve_gemm,
+                   scaled_linear, scaled_mm)
 from .profiling import GEMM, QUANTIZE, profiled
 from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
@@ -63,6 +65,7 @@ class WeightOperand(NamedTuple):
     scale: torch.Tensor | None  # None: ``saved`` is used as it is
     mask: torch.Tensor | None  # ste="clipped": where the gradient passes
     values: torch.Tensor | None  # on the call that quantized it: what the quantization wrote (no decode needed)
+    fp8: tuple | None = None  # gemm fp8: (tail, E4M3 parts) of the grid values, made once per optimizer step
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -201,7 +204,8 @@ class QuantizedMatmul(nn.Module):
         return self._exported_key is not None and self._exported_key == self.weight_key(weight)
 
     # ------------------------------------------------------------------------------- the forward
-    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool = False) -> "WeightOperand":
+    def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool = False,
+                         fp8_tail: str | None = None) -> "WeightOperand":
         """-> :class:`WeightOperand`: the weight operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
         when not); ``values``: on the call that quantized it, what the quantization wrote (the grid values with
         ``grid``, else the dequantized weight), so that this forward needs no decode of the codes.
@@ -210,7 +214,8 @@ class QuantizedMatmul(nn.Module):
         with ``grid`` (the emulated and FP8 GEMMs), the grid values themselves in 16 bits (:func:`grid_dtype`:
         exact, 2 bytes per parameter; the GEMM takes them as they are, or widens them exactly), so that neither an
         encode nor a decode pass is paid for the weight; else (``dequantize_first``) the uint8 codes, decoded with
-        the scale by forward and backward.
+        the scale by forward and backward. ``fp8_tail`` (the FP8 GEMM): the E4M3 parts of the grid values too, made
+        with the cache (once per optimizer step, not once per micro-batch).
         """
         if self._exported_key is not None and self.quantize_weights and not self.training and self.is_exported(weight):
             if self._exported_codes is not None:  # the exported codes and scale: what training computed
@@ -220,28 +225,31 @@ class QuantizedMatmul(nn.Module):
         scaler = self.weight_scaler
         health = self.measure_health and self.training  # in the key: a cache made without health is remade
         key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste,
-               health)
+               health, fp8_tail)
         values = None
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = None  # free the old codes before making new ones
             w = weight.detach().to(dtype)
             if self.quantize_weights:
                 fused = self.runtime.fused
-                result, scale = scaler.quantize(w, self.format, want_codes=not grid, fused=fused, grid=grid,
-                                                whatif=True)
+                result, scale = scaler.quantize(w, self.format, want_codes=not grid or bool(fp8_tail), fused=fused,
+                                                grid=grid, whatif=True)
                 mask = passes_gradient(self.recipe.ste == "clipped", w, scale, scaler, self.format)
                 measured = scaler.measure(w, result, scale, self.format, fused=fused, health=health)
                 values = result.grid if grid else result.dequantized
                 saved = values.to(grid_dtype(dtype)) if grid else result.codes
-                entry = (saved, scale.clone(), mask, (result.amax, result.clipped, *measured))
+                fp8 = None
+                if grid and fp8_tail:  # from the codes the quantization wrote: a byte read, a byte written
+                    fp8 = (fp8_tail, e4m3_parts_of_codes(result.codes, self.format.name, scaler.max_val, fp8_tail))
+                entry = (saved, scale.clone(), mask, (result.amax, result.clipped, *measured), fp8)
             else:
-                entry = (w, None, None, (w.abs().amax(), None))
+                entry = (w, None, None, (w.abs().amax(), None), None)
             self._weight_cache = (key, *entry)
             scaler.observed_this_step = False
-        _, saved, scale, mask, stats = self._weight_cache
+        _, saved, scale, mask, stats, fp8 = self._weight_cache
         if self.training and not scaler.observed_this_step:
             scaler.observe(*stats[:2], weight.numel(), *stats[2:])
-        return WeightOperand(saved, scale, mask, values)
+        return WeightOperand(saved, scale, mask, values, fp8)
 
     def release_weight_cache(self) -> None:
         """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
@@ -263,8 +271,8 @@ class QuantizedMatmul(nn.Module):
         dtype = compute_dtype(x)
         plan = self.plan(dtype, x.device)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            w_saved, w_scale, w_mask, w_values = self.quantized_weight(weight, dtype, grid=plan.on_grid)
-        return QuantizedMatmulFunction.apply(x, weight, bias, w_saved, w_scale, w_mask, w_values, plan)
+            w = self.quantized_weight(weight, dtype, grid=plan.on_grid, fp8_tail=plan.tail)
+        return QuantizedMatmulFunction.apply(x, weight, bias, w.saved, w.scale, w.mask, w.values, w.fp8, plan)
 
 
 @dataclass(frozen=True)
@@ -300,18 +308,20 @@ class Plan:
         return self.fp8_tail if self.gemm == GEMM_FP8 else None
 
     def operand(self, saved: torch.Tensor, scale: torch.Tensor | None, max_val: float,
-                values: torch.Tensor | None = None) -> Operand:
+                values: torch.Tensor | None = None, fp8: tuple | None = None) -> Operand:
         """A saved operand (uint8 codes + scale, or a tensor) as the GEMM takes it: the grid values with their
-        scale (the codes decoded through the backend: exact), or dequantized (``dequantize_first``). ``values``:
-        those values when the quantization just wrote them (nothing to decode)."""
+        scale (the codes decoded through the backend: exact; the codes kept for the FP8 GEMM), or dequantized
+        (``dequantize_first``). ``values``: those values when the quantization just wrote them (nothing to decode);
+        ``fp8``: their E4M3 parts, made already."""
         if scale is None:  # not quantized: the tensor itself
             return Operand(saved)
         if self.on_grid:
+            codes = None if saved.is_floating_point() else saved
             if values is None:  # kept as grid values (a weight), or as codes (a saved input)
                 with profiled(QUANTIZE):
-                    values = saved if saved.is_floating_point() else dequantize_codes(saved, None, self.fmt,
-                                                                                      self.dtype, fused=self.fused)
-            return Operand(values, scale, max_val)
+                    values = saved if codes is None else dequantize_codes(saved, None, self.fmt, self.dtype,
+                                                                          fused=self.fused)
+            return Operand(values, scale, max_val, codes=codes if self.tail else None, fmt_name=self.fmt.name, fp8=fp8)
         if values is not None:
             return Operand(values)
         with profiled(QUANTIZE):
@@ -331,7 +341,8 @@ class Plan:
             measured = scaler.measure(x, result, scale, self.fmt, fused=self.fused, health=self.health)
             scaler.observe(result.amax, result.clipped, x.numel(), *measured)
         mask = passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
-        operand = Operand(result.grid, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
+        operand = (Operand(result.grid, scale, scaler.max_val, codes=result.codes if self.tail else None,
+                           fmt_name=self.fmt.name) if self.on_grid else Operand(result.dequantized))
         if result.codes is not None:  # kept for backward as 8-bit codes + scale
             return operand, result.codes, scale, mask
         return operand, operand.values, None, mask  # dequantize_first without save_8bit_activations
@@ -352,14 +363,18 @@ class Plan:
 
 class QuantizedMatmulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, w_values, plan: Plan):
+    def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, w_values, w_fp8, plan: Plan):
         dtype = plan.dtype
         with torch.autocast(x.device.type, enabled=False):
             x_op, x_saved, x_saved_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
-            w_op = plan.operand(w_saved, w_scale, plan.weight_max_val, w_values)
+            w_op = plan.operand(w_saved, w_scale, plan.weight_max_val, w_values, fp8=w_fp8)
+            # the three GEMMs' decode factors at once, when the output gradient is not quantized (else backward's)
+            factors = (decode_factors(x_op.scale, w_op.scale) if plan.on_grid and x_op.quantized and w_op.quantized
+                       else None)
             with profiled(GEMM):
-                out = scaled_linear(x_op, w_op, dtype, bias=b, fp8_tail=plan.tail)
+                out = scaled_linear(x_op, w_op, dtype, bias=b, fp8_tail=plan.tail,
+                                    decode=None if factors is None else factors[0])
         if out._base is not None:
             # an output of a custom Function that is a view may not be modified in place (Falcon's
             # `mlp_output += ...`); scaled_linear returns none, this guards the rule
@@ -368,34 +383,38 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.has_bias = bias is not None
         # backward needs the quantized input and weight: kept as 8-bit codes + scale where possible
-        ctx.save_for_backward(x_saved, x_saved_scale, w_saved, w_scale, x_mask, w_mask)
+        ctx.save_for_backward(x_saved, x_saved_scale, w_saved, w_scale, x_mask, w_mask, factors)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x_saved, x_scale, w_saved, w_scale, x_mask, w_mask = ctx.saved_tensors
+        x_saved, x_scale, w_saved, w_scale, x_mask, w_mask, factors = ctx.saved_tensors
         plan: Plan = ctx.plan
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g = plan.quantize_grad_output(grad_out.to(plan.dtype))
+        if g.quantized:
+            factors = None  # the decode factors include the gradient's scale: made by each GEMM
         g2 = g.flat()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # dgrad: g @ W, with W's decode scale
             w_op = plan.operand(w_saved, w_scale, plan.weight_max_val)
             with profiled(GEMM):
-                grad_x = scaled_mm(g2, w_op, plan.dtype, fp8_tail=plan.tail).reshape(*g.values.shape[:-1], -1)
+                grad_x = scaled_mm(g2, w_op, plan.dtype, fp8_tail=plan.tail,
+                                   decode=None if factors is None else factors[2]).reshape(*g.values.shape[:-1], -1)
             if x_mask is not None:
                 grad_x = grad_x * x_mask
             grad_x = grad_x.to(x_dtype)
         if ctx.needs_input_grad[1]:  # wgrad: g.T @ x, with x's decode scale
             x_op = plan.operand(x_saved, x_scale, plan.input_scaler.max_val)
             with profiled(GEMM):
-                grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, fp8_tail=plan.tail)
+                grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, fp8_tail=plan.tail,
+                                   decode=None if factors is None else factors[1])
             if w_mask is not None:
                 grad_w = grad_w * w_mask
             grad_w = grad_w.to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = column_sums(g2).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def set_health_measurement(model: nn.Module, on: bool) -> None:

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..kernel_count import counted_call
 from ..profiling import WHATIF, profiled
 from . import reference
 from .base import FakeQuantResult
@@ -69,7 +70,7 @@ class CompiledBackend:
             try:
                 shape = args[0].shape
                 flat = [a.reshape(-1) if isinstance(a, torch.Tensor) and a.shape == shape else a for a in args]
-                out = compiled_function(fn)(*flat)
+                out = counted_call(fn.__name__, compiled_function(fn), *flat)
                 return _restore_shape(out, shape) if like_input else out
             except Exception as err:  # a missing compiler must not stop training: fall back, same numbers
                 if self.required:
