@@ -47,6 +47,7 @@ import torch
 
 from qat_app.errors import ConfigError, did_you_mean
 
+from .per_step import PerOptimizerStep
 from .stopping import stop_with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def _json_number(value):
     return value if value is None or math.isfinite(value) else str(value)
 
 
-class SpikeAlarm(L.Callback):
+class SpikeAlarm(PerOptimizerStep):
     """Loss and gradient-norm spikes and non-finite steps, read once per optimizer step.
 
     Args:
@@ -140,7 +141,6 @@ class SpikeAlarm(L.Callback):
         self.last_z: dict[str, float] = {}  # the last step's z per metric (once its window is long enough)
         self.nonfinite = 0  # skipped steps seen
         self._skipped_seen: int | None = None  # the module's skipped_steps at the last read (checkpointed)
-        self._seen_step = -1
         self._loss_sum: torch.Tensor | None = None  # the step's micro-batch losses, on the device
         self._micro_batches = 0
         self.events_path: str | None = None
@@ -197,8 +197,7 @@ class SpikeAlarm(L.Callback):
 
     # ------------------------------------------------------------------------------------------ the loop
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # a resumed run scored the step before the checkpoint already: start with the next one
-        self._seen_step = trainer.global_step
+        super().on_train_start(trainer, pl_module)
         self._loss_sum, self._micro_batches = None, 0
         skipped = getattr(pl_module, "skipped_steps", None)
         if self.enabled and self._skipped_seen is None and skipped is not None:
@@ -211,15 +210,13 @@ class SpikeAlarm(L.Callback):
         if isinstance(loss, torch.Tensor):  # divided by accumulate_grad_batches (Lightning's closure)
             self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
             self._micro_batches += 1
-        step = trainer.global_step
-        if step == self._seen_step:  # the optimizer step is not done yet
+        step = self.completed_step(trainer)
+        if step is None:  # the optimizer step is not done yet
             return
-        self._seen_step = step
         loss, grad_norm, nonfinite = self._read_step(trainer, pl_module)
         new = self.observe(step - 1, loss, grad_norm, nonfinite)
         metrics = {**self.last_z, EVENTS: float(len(self.events)), NONFINITE: float(self.nonfinite)}
-        for logger in trainer.loggers:  # at the step the values describe, as train/loss
-            logger.log_metrics(metrics, step=step - 1)
+        self.log_at(trainer, metrics, step - 1)  # at the step the values describe, as train/loss
         if trainer.is_global_zero:  # every rank holds the same events; one line each
             for event in new:
                 log.warning(self.describe(event))

@@ -24,6 +24,7 @@ from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, check_reacha
                                    quantized_tensors, read_counters, scaler_pairs)
 from qat_app.hif8.fallback_summary import TARGET_TEXT
 
+from .per_step import PerOptimizerStep
 from .saturation import AmaxSaturationCallback
 from .warmup import BF16WarmupCallback
 
@@ -61,7 +62,7 @@ def make_policy(policy) -> FallbackPolicy:
         raise ConfigError(f"{POLICY}: {err}") from None
 
 
-class FallbackCallback(L.Callback):
+class FallbackCallback(PerOptimizerStep):
     """The automatic fallback of persistently saturating or low-SQNR tensors (opt-in).
 
     Args:
@@ -74,7 +75,6 @@ class FallbackCallback(L.Callback):
         self.policy = make_policy(policy)
         self.monitor: FallbackMonitor | None = None
         self._saved: dict | None = None  # the checkpoint's evidence, until the model's tensors are known
-        self._seen_step = -1
         self.decisions: list[dict] = []  # this fit's, in order
         self._fallen_back = 0  # tensors fallen back so far, resumed ones included (the logged count)
         self._said_stop = False  # the budget's stop is said once (a resumed run whose policy stopped: at resume)
@@ -110,7 +110,7 @@ class FallbackCallback(L.Callback):
                 self.policy.budget(len(tensors))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._seen_step = trainer.global_step
+        super().on_train_start(trainer, pl_module)
         if not self.enabled:
             return
         tensors = quantized_tensors(pl_module.model)
@@ -129,10 +129,11 @@ class FallbackCallback(L.Callback):
             self.monitor.start(events, steps)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        step = trainer.global_step
-        if self.monitor is None or step == self._seen_step:
+        if self.monitor is None:
             return
-        self._seen_step = step
+        step = self.completed_step(trainer)
+        if step is None:
+            return
         new = fallback_step(pl_module.model, self.monitor, step - 1)  # the step whose counters decided
         for decision in new:
             log.warning("fallback at step %d: %s.%s -> %s for the rest of the run (%s: %s)", decision["step"],
@@ -151,5 +152,4 @@ class FallbackCallback(L.Callback):
                         stopped["step"], stopped["qualified"], stopped["already"], stopped["budget"], stopped["diagnosis"])
         self.decisions.extend(new)
         self._fallen_back += len(new)
-        for logger in trainer.loggers:
-            logger.log_metrics({FALLBACK_METRIC: float(self._fallen_back)}, step=step - 1)
+        self.log_at(trainer, {FALLBACK_METRIC: float(self._fallen_back)}, step - 1)

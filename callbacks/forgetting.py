@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import math
 import os
@@ -69,6 +68,7 @@ from qat_app.eval.kl_cache import DRIFT, KL, with_interval
 from qat_app.eval.measures import MEASURES, MeasureError, compare_records, resolve_measures, verdict
 from qat_app.eval.records import SAMPLES_DIR, read_records, records_path
 
+from .per_step import validation_log_step
 from .stopping import stop_with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def initial_records_candidates(trainer, log_dir: str | None) -> list[str]:
     return sorted(found, key=os.path.getmtime, reverse=True)
 
 
-def _benchmark_tasks(datamodule) -> list[str]:
+def benchmark_tasks(datamodule) -> list[str]:
     bench = getattr(datamodule, "benchmarks", None) or datamodule
     return list(getattr(bench, "task_names", None) or [])
 
@@ -226,7 +226,7 @@ class ForgettingMonitor(L.Callback):
         """Whether the monitor runs, given the initial-evaluation callback (or None) and the datamodule; a
         :class:`ConfigError` naming the field when it was asked for and cannot run, or names an unknown task.
         Called by the CLI before anything is written, and again in :meth:`setup`."""
-        tasks = _benchmark_tasks(datamodule)
+        tasks = benchmark_tasks(datamodule)
         initial_on = initial_eval is not None and getattr(initial_eval, "enabled", False) and limit_val_batches != 0
         if self.enabled is True and not initial_on:
             raise ConfigError("forgetting.enabled: true compares with the initial evaluation, but initial_eval.enabled "
@@ -254,7 +254,7 @@ class ForgettingMonitor(L.Callback):
         if not self.active and self.enabled is None and trainer.is_global_zero and not self._off_logged:
             self._off_logged = True
             log.info("forgetting monitor off: it compares with the initial evaluation, and this fit has %s",
-                     "no benchmarks" if not _benchmark_tasks(trainer.datamodule) else "none (initial_eval.enabled false)")
+                     "no benchmarks" if not benchmark_tasks(trainer.datamodule) else "none (initial_eval.enabled false)")
 
     # ----------------------------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict:
@@ -417,7 +417,7 @@ class ForgettingMonitor(L.Callback):
         """To the loggers at the step Lightning logged this validation's metrics at, and to callback_metrics."""
         if not metrics:
             return
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        step = validation_log_step(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
             logger.save()

@@ -25,6 +25,8 @@ import logging
 import lightning as L
 import torch
 
+from .per_step import PerOptimizerStep
+
 log = logging.getLogger(__name__)
 
 PARAMS_MB, GRADS_MB, OPTIMIZER_MB = "mem/params_mb", "mem/grads_mb", "mem/optimizer_mb"
@@ -69,7 +71,7 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-class MemoryMonitor(L.Callback):
+class MemoryMonitor(PerOptimizerStep):
     """The memory breakdown (``mem/*``) every ``log_every_n_steps``.
 
     Args:
@@ -79,18 +81,14 @@ class MemoryMonitor(L.Callback):
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._grads_bytes: int | None = None
-        self._seen_step = -1
         self.last: dict[str, float] = {}  # the last logged values (tests, the summary)
-
-    def _logging_step(self, trainer, completed_steps: int) -> bool:
-        return completed_steps > 0 and completed_steps % max(1, trainer.log_every_n_steps) == 0
 
     def _cuda_device(self, pl_module) -> torch.device | None:
         device = pl_module.device
         return device if device.type == "cuda" else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._seen_step = trainer.global_step
+        super().on_train_start(trainer, pl_module)
         device = self._cuda_device(pl_module)
         if self.enabled and device is not None:
             torch.cuda.reset_peak_memory_stats(device)  # the first interval starts here, not at model loading
@@ -101,15 +99,14 @@ class MemoryMonitor(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         # before the module's own hook, which drops the gradients of a skipped (non-finite) step
-        if self.enabled and self._logging_step(trainer, trainer.global_step + 1):
+        if self.enabled and self.logging_step(trainer, trainer.global_step + 1):
             self._grads_bytes = gradient_bytes(pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        step = trainer.global_step
-        if not self.enabled or step == self._seen_step:
+        if not self.enabled:
             return
-        self._seen_step = step
-        if not self._logging_step(trainer, step):
+        step = self.completed_step(trainer)
+        if step is None or not self.logging_step(trainer, step):
             return
         params, grads = parameter_bytes(pl_module), self._grads_bytes or 0
         moments = optimizer_state_bytes(trainer.optimizers)
@@ -125,5 +122,4 @@ class MemoryMonitor(L.Callback):
         else:
             metrics[RSS_MB] = rss_bytes() / MIB
         self.last = metrics
-        for logger in trainer.loggers:  # at the step the values describe, as train/loss
-            logger.log_metrics(metrics, step=step - 1)
+        self.log_at(trainer, metrics, step - 1)  # at the step the values describe, as train/loss

@@ -26,6 +26,8 @@ from qat_app.eval.noise_floor import (DEFAULT_RELATIVE, DEFAULT_SEEDS, AnswerFli
 from qat_app.eval.records import NOISE_FLOOR_FILE
 from qat_app.errors import ConfigError
 
+from .per_step import validation_log_step
+
 log = logging.getLogger(__name__)
 
 METRIC = "noise_floor/kl"
@@ -53,6 +55,11 @@ class NoiseFloorCallback(L.Callback):
         self.floor: NoiseFloor | None = None  # the fit's floor (the summary reads it)
         self.flips: AnswerFlips | None = None
         self.seconds = 0.0
+        self._last_validation_step: int | None = None  # where the last validation's metrics (its KL) were logged
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._last_validation_step = validation_log_step(trainer)
         self.path: str | None = None
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -114,7 +121,9 @@ class NoiseFloorCallback(L.Callback):
     def _write(self, trainer, log_dir: str | None) -> None:
         metrics = self.metrics()
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            # beside the last validation's KL, the one it is the floor of
+            step = self._last_validation_step if self._last_validation_step is not None else trainer.global_step
+            logger.log_metrics(metrics, step=step)
             logger.save()
         if not log_dir:
             return

@@ -17,9 +17,9 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 
 import main as cli
 from callbacks import MemoryMonitor, TensorBoardDashboard
-from callbacks.dashboard import LAYOUT
+from callbacks.dashboard import LAYOUT, PER_TENSOR, layout_for
 from callbacks.memory import GRADS_MB, MIB, OPTIMIZER_MB, PARAMS_MB, RSS_MB, tensor_bytes
-from tests._cli_runs import WARMUP, write_config
+from tests._cli_runs import TINY_BENCHMARKS, WARMUP, write_config
 
 LAYOUT_TAG = "custom_scalars__config__"  # where SummaryWriter.add_custom_scalars puts the layout
 STEPS, EVERY = 5, 2
@@ -37,7 +37,12 @@ def _read(log_dir) -> EventAccumulator:
 def _layout(events: EventAccumulator) -> dict[str, dict[str, list[str]]]:
     [written] = events.Tensors(LAYOUT_TAG)
     layout = layout_pb2.Layout.FromString(written.tensor_proto.string_val[0])
-    return {c.title: {chart.title: list(chart.multiline.tag) for chart in c.chart} for c in layout.category}
+    def tags(chart):  # a multiline chart's regexes, or a margin chart's value, lower and upper tags
+        if chart.HasField("margin"):
+            return [t for series in chart.margin.series for t in (series.value, series.lower, series.upper)]
+        return list(chart.multiline.tag)
+
+    return {c.title: {chart.title: tags(chart) for chart in c.chart} for c in layout.category}
 
 
 def independent_parameter_bytes(model: torch.nn.Module) -> int:
@@ -54,6 +59,7 @@ def tensorboard_fit(module_tmp, tiny_model_dir, tiny_corpus):
         "trainer.logger": [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                             "init_args": {"save_dir": str(tmp), "name": "tb"}}],
         "alarms": {"min_history": 3}, "throughput": {"window_size": 2},
+        "data.init_args.benchmarks": TINY_BENCHMARKS, "trainer.val_check_interval": STEPS,  # KL, noise floor
         "fallback": {"enabled": True, "policy": {"window": 2, "min_events": 1}}})  # logs fallback/tensors
     run = cli.cli_main(["fit", "--config", config])
     return run, _read(run.trainer.log_dir)
@@ -66,8 +72,9 @@ def test_the_layout_is_in_the_event_file_and_matches_the_runs_tags(tensorboard_f
     assert dashboard.written_to == [run.trainer.log_dir]
     layout = _layout(events)
     assert list(layout) == ["saturation", "saturation forecast", "numeric health", "what-if headroom (max_val)",
-                            "what-if estimators", "training", "forgetting", "memory"]
-    assert layout == {category: {title: chart[1] for title, chart in charts.items()} for category, charts in LAYOUT.items()}
+                            "what-if estimators", "training", "forgetting", "memory", PER_TENSOR]
+    written = layout_for(run.trainer)
+    assert layout == {category: {title: chart[1] for title, chart in charts.items()} for category, charts in written.items()}
     scalars = events.Tags()["scalars"]
     for category in WRITTEN_HERE:
         for title, patterns in layout[category].items():
@@ -99,7 +106,7 @@ def test_memory_scalars_equal_the_bytes_counted_independently(tensorboard_fit):
 def test_the_layout_written_to_a_tensorboard_logger_reads_back(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     dashboard = TensorBoardDashboard()
-    dashboard.on_fit_start(SimpleNamespace(is_global_zero=True, loggers=[logger]), None)
+    dashboard.on_fit_start(SimpleNamespace(is_global_zero=True, loggers=[logger]), None)  # no callbacks to judge by
     assert dashboard.written_to == [logger.log_dir]
     layout = _layout(_read(logger.log_dir))
     assert layout == {category: {title: chart[1] for title, chart in charts.items()} for category, charts in LAYOUT.items()}
@@ -167,3 +174,69 @@ def test_memory_monitor_is_off_when_disabled():
     trainer = SimpleNamespace(global_step=2, log_every_n_steps=1, loggers=[], is_global_zero=True)
     monitor.on_train_batch_end(trainer, None, None, None, 0)
     assert monitor.last == {}
+
+
+def _get(url: str):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def tensorboard_server(tensorboard_fit):
+    """TensorBoard itself, serving the fit's log directory on a free port of this machine."""
+    from tensorboard import program
+
+    run, _ = tensorboard_fit
+    board = program.TensorBoard()
+    board.configure(argv=[None, "--logdir", run.trainer.log_dir, "--host", "127.0.0.1", "--port", "0",
+                          "--load_fast", "false", "--reload_interval", "0"])
+    return run, board.launch()
+
+
+@pytest.mark.slow
+def test_tensorboard_shows_a_short_runs_dashboard_as_a_person_reads_it(tensorboard_server):
+    """Through TensorBoard's HTTP API: every chart of the layout has a series (no empty chart), the model-wide charts
+    hold a few lines each while the per-tensor detail holds every tensor, every logging step has its heatmaps, and the
+    noise floor sits at the step of the KL it is the floor of."""
+    run, url = tensorboard_server
+    layout = _get(f"{url}data/plugin/custom_scalars/layout")
+    [(name, tags)] = _get(f"{url}data/plugin/scalars/tags").items()
+    charts, bands = {}, {}
+    for category in layout["category"]:
+        for chart in category["chart"]:
+            key = (category["title"], chart["title"])
+            if "margin" in chart:  # a value with its interval as a band: exact tags
+                bands[key] = [tag for series in chart["margin"]["series"]
+                              for tag in (series["value"], series["lower"], series["upper"])]
+            else:
+                charts[key] = chart["multiline"]["tag"]
+    assert len(charts) >= 20 and len(bands) >= 3  # the KL, and each benchmark task's measures
+    assert not [key for key, band in bands.items() if not set(band) <= set(tags)], bands
+    shown = {key: [t for t in tags if any(re.match(p, t) for p in patterns)] for key, patterns in charts.items()}
+    empty = [key for key, matched in shown.items() if not matched]
+    assert not empty, f"charts with nothing to show: {empty}"
+    tensors = [t for t in tags if re.match(r"sat/[^/]*\.[^/]*/clipped_frac$", t)]
+    assert len(tensors) >= 6  # the tiny model's quantized inputs and weights
+    for (category, title), matched in shown.items():
+        if category != PER_TENSOR and not title.startswith(("mean estimated SQNR", "clipped under", "saturation events under", "learning")):
+            assert len(matched) <= 5, f"{category} / {title}: {len(matched)} lines"
+    assert len(shown[(PER_TENSOR, "clipped fraction")]) == len(tensors)
+    # the features this run has off are not in the layout
+    assert {title for (_, title) in charts} >= {"tensors fallen back (automatic fallback)"}
+    # a picture per logging step: the SQNR and clipped-fraction heatmaps
+    images = _get(f"{url}data/plugin/images/tags")[name]
+    logged = sorted(s for s in range(STEPS) if (s + 1) % EVERY == 0)
+    quantized = [s for s in logged if s >= WARMUP]  # the warmup quantizes nothing: no picture
+    assert quantized and len(quantized) < len(logged)
+    for tag, steps in (("dashboard/clipped_frac", quantized), ("dashboard/sqnr_db", quantized)):
+        assert tag in images
+        series = _get(f"{url}data/plugin/images/images?run={name}&tag={tag}&sample=0")
+        assert sorted(e["step"] for e in series) == steps, tag
+    # every series at the step it describes: the noise floor beside its KL
+    def steps_of(tag):
+        return [e[1] for e in _get(f"{url}data/plugin/scalars/scalars?run={name}&tag={tag}")]
+
+    assert steps_of("noise_floor/kl") == steps_of("forget/kl")[-1:]

@@ -100,3 +100,11 @@ def test_the_workflows_flags_are_the_parsers_and_the_serve_targets_exist():
     paragraph = readme[readme.index("`--serve_target`"):].split("\n\n", 1)[0]
     assert set(SERVE_TARGETS) <= set(re.findall(r"`([a-z]+)`", paragraph))  # every target, and which engine
     assert "--serve_target" in command_flags("export")
+
+
+def test_main_names_every_command():
+    import main
+    from qat_app.cli import EXTRA_COMMANDS, LIGHTNING_COMMANDS
+
+    named = re.search(r"\{([\w,]+)\}", main.__doc__).group(1).split(",")
+    assert named == [*LIGHTNING_COMMANDS, *EXTRA_COMMANDS]

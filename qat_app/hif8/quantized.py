@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .fake_quant import dequantize_codes, saturated_mask
@@ -56,6 +55,15 @@ SCALER_OF = dict(zip(OPERANDS, SCALER_NAMES))
 # quantized
 FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
 FALLBACK_TARGETS = (FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION)
+
+
+class QuantizedInput(NamedTuple):
+    """The input as a quantized matmul's forward takes it (:meth:`Plan.quantize_input`)."""
+
+    operand: Operand  # what the GEMM multiplies
+    saved: torch.Tensor  # what backward keeps: 8-bit codes, or a tensor
+    scale: torch.Tensor | None  # the codes' scale; None: ``saved`` is used as it is
+    mask: torch.Tensor | None  # ste="clipped": where the gradient passes
 
 
 class WeightOperand(NamedTuple):
@@ -327,14 +335,13 @@ class Plan:
         with profiled(QUANTIZE):
             return Operand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
 
-    def quantize_input(self, x: torch.Tensor):
-        """-> (x as the GEMM takes it, what backward keeps of it (codes or a tensor), its scale or None,
-        clipped-mask or None)."""
+    def quantize_input(self, x: torch.Tensor) -> QuantizedInput:
+        """``x`` as the GEMM takes it and as backward keeps it (:class:`QuantizedInput`)."""
         scaler = self.input_scaler
         if not self.activations_on:
             if self.record:
                 scaler.observe(x.abs().amax(), None, x.numel())
-            return Operand(x), x, None, None
+            return QuantizedInput(Operand(x), x, None, None)
         result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes or self.on_grid, fused=self.fused,
                                         grid=self.on_grid, whatif=self.record)
         if self.record:
@@ -344,8 +351,8 @@ class Plan:
         operand = (Operand(result.grid, scale, scaler.max_val, codes=result.codes if self.tail else None,
                            fmt_name=self.fmt.name) if self.on_grid else Operand(result.dequantized))
         if result.codes is not None:  # kept for backward as 8-bit codes + scale
-            return operand, result.codes, scale, mask
-        return operand, operand.values, None, mask  # dequantize_first without save_8bit_activations
+            return QuantizedInput(operand, result.codes, scale, mask)
+        return QuantizedInput(operand, operand.values, None, mask)  # dequantize_first without save_8bit_activations
 
     def quantize_grad_output(self, g: torch.Tensor) -> Operand:
         scaler = self.grad_scaler
