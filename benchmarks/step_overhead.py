@@ -20,7 +20,7 @@ QAT / BF16 <= 1.05 at the default interval, health <= 3 % of the step it is meas
 
 ``--gemm`` sets the QAT variant's product (``model.quant.gemm``: ``emulated``, the default, or
 ``dequantize_first``); ``--compare-gemm`` times the two QAT variants against each other instead (the
-baseline is ``dequantize_first``, the former path), alternating step by step like the rest.
+baseline is ``dequantize_first``), alternating step by step like the rest.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ bound of the full-vocabulary KL) and ``forget/kl_low`` / ``forget/kl_high`` (its
 sequences), and its parts ``forget/kl_drift`` (training) and ``forget/kl_quantization`` (HiF8) with theirs.
 The cache belongs to its run: a new fit writes it in its logger version's directory
 (``<log_dir>/initial_topk.pt``), and its checkpoints name it, so a resumed fit reads back its own even when
-another fit has since run in the same directory (a checkpoint of an older main: ``<default_root_dir>``).
+another fit has since run in the same directory (a checkpoint of an earlier version: ``<default_root_dir>``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class InitialEvaluationCallback(L.Callback):
     def cache_path(self, trainer: L.Trainer) -> tuple[str, str | None]:
         """-> (the run's cache file, the sha256 its payload must have or None). A new fit writes its own, in its
         logger version's directory (two fits in one run directory never share one); a resumed fit reads the one
-        its checkpoint names; a checkpoint of an older main names none: ``<default_root_dir>/initial_topk.pt``."""
+        its checkpoint names; a checkpoint of an earlier version names none: ``<default_root_dir>/initial_topk.pt``."""
         root = trainer.default_root_dir
         if trainer.global_step == 0:
             return os.path.join(trainer.log_dir or root, INITIAL_FILE), None  # log_dir: a broadcast, every rank

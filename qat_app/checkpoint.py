@@ -42,7 +42,7 @@ from .errors import CheckpointError, UnsafeFileError
 log = logging.getLogger(__name__)
 
 # What a file may hold is data: every load here is weights-only (torch's default since 2.6), and so is
-# Lightning's own. The one allowlist: the classes older mains pickled into checkpoints (a hand-written
+# Lightning's own. The one allowlist: the classes earlier versions pickled into checkpoints (a hand-written
 # QuantConfig in the hyper-parameters; today's store a plain dict). For every load of the process, Lightning's too.
 LEGACY_PICKLED_CLASSES = (QuantConfig,)
 torch.serialization.add_safe_globals(list(LEGACY_PICKLED_CLASSES))

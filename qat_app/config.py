@@ -8,7 +8,7 @@ so every core field is a flag ``--model.quant.<field>`` and a field added to the
 Validation is the core's; a bad value is reported as ``quant.<field>: ...``.
 
 Checkpoints and exports store the settings as a plain dictionary (:meth:`QuantConfig.to_dict`), so no class
-of ours is pickled; checkpoints of older mains, which pickled an earlier hand-written ``QuantConfig``, still
+of ours is pickled; checkpoints of earlier versions, which pickled an earlier hand-written ``QuantConfig``, still
 load: the class keeps its import path and fields.
 """
 

@@ -197,3 +197,20 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     assert "saturation.headroom_grid" in reference and "model.quant.amax_algo" in reference  # generated
     api = (site / "api" / "index.html").read_text()
     assert "fake_quantize" in api and ":class:" not in api  # from the docstrings, rst roles converted
+
+
+PAGE_LIMIT = 12 * 1024
+GENERATED = {"configuration.md", "api.md"}  # references generated from the code at build time
+# wording about how the project was developed, not about the tool: a manual has none
+NOTEBOOK = re.compile(r"\b(issue|issues) #?\d+|\bthis session\b|\bformer path\b|\b(previous|older) mains?\b|"
+                      r"\bnot met\b|\bno (GPU|device) (was )?lent\b", re.I)
+
+
+def test_no_page_is_over_12_kib_but_the_generated_references():
+    large = [(p.name, p.stat().st_size) for p in PAGES if p.name not in GENERATED and p.stat().st_size > PAGE_LIMIT]
+    assert not large, large
+
+
+def test_the_pages_speak_of_the_tool_not_of_its_development():
+    found = [f"{name}: {m.group(0)}" for name, text in _texts() for m in NOTEBOOK.finditer(text)]
+    assert not found, found

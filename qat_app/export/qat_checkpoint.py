@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trust_remote_code: bool = False):
     """A ``QATModule`` restored from a Lightning checkpoint (hyper-parameters + state dict), in eval mode.
 
-    The file is read as data (``weights_only``; the classes older mains pickled are allowlisted in
+    The file is read as data (``weights_only``; the classes earlier versions pickled are allowlisted in
     :mod:`qat_app.checkpoint`); ``trust_remote_code`` is the caller's, whatever the checkpoint's hyper-parameters
     say. Raises :class:`qat_app.errors.CheckpointError` naming the file when it is unreadable or truncated, not a
     QATModule checkpoint, or (:class:`qat_app.errors.UnsafeFileError`) holds pickled code.
@@ -42,7 +42,7 @@ def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trus
     if kwargs.get("trust_remote_code") and not trust_remote_code:
         log.info("%s: its hyper-parameters ask for trust_remote_code; not taken from a file (--trust_remote_code)", path)
     kwargs["trust_remote_code"] = bool(trust_remote_code)
-    if kwargs.get("quant") is not None:  # a plain dict (today), or an older main's pickled QuantConfig
+    if kwargs.get("quant") is not None:  # a plain dict (today), or an earlier version's pickled QuantConfig
         kwargs["quant"] = QuantConfig.coerce(kwargs["quant"])
     module = QATModule(**kwargs)
     try:
@@ -70,7 +70,7 @@ def run_compute_dtype(module) -> tuple[str | None, str]:
     precision = getattr(module, "run_precision", None)
     if precision in COMPUTE_DTYPES:
         return COMPUTE_DTYPES[precision], f"the run's precision {precision}"
-    return None, "the checkpoint does not record the run's precision (written by an older main): the weights' dtype"
+    return None, "the checkpoint does not record the run's precision (written by an earlier version): the weights' dtype"
 
 
 def run_dtype(module) -> tuple[str, str]:
@@ -79,4 +79,4 @@ def run_dtype(module) -> tuple[str, str]:
     precision = getattr(module, "run_precision", None)
     if precision in PRECISION_DTYPES:
         return PRECISION_DTYPES[precision], f"the run's precision {precision}"
-    return FALLBACK_DTYPE, "the checkpoint does not record the run's precision (written by an older main)"
+    return FALLBACK_DTYPE, "the checkpoint does not record the run's precision (written by an earlier version)"

@@ -382,7 +382,7 @@ def verify_decisions(tensors: list, policy: FallbackPolicy, events: torch.Tensor
 
 
 def pending_verification(record: dict) -> str | None:
-    """``None`` once a decision is verified, else what it waits for (a decision of an older main: not recorded)."""
+    """``None`` once a decision is verified, else what it waits for (a decision recorded by an earlier version: not recorded)."""
     if record.get("verified") is not None:
         return None
     return "not verified: its counters at the decision were not recorded" if "steps_at" not in record else \

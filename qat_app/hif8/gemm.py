@@ -16,7 +16,7 @@ quantized (scale None). :func:`scaled_mm` computes ``a @ b`` from two of them:
   number) and the bias applied to the fp32 accumulator, one rounding to the output dtype;
 * ``fp8``: the same product on FP8 tensor cores (:mod:`.fp8_gemm`: the grid values cast to E4M3 exactly,
   ``torch._scaled_mm``), when both operands are quantized; with ``fp8_tail`` for the few values E4M3 cannot hold;
-* ``dequantize_first``: the former path, kept to compare: ``(q_a / s_a) @ (q_b / s_b)`` in the compute dtype
+* ``dequantize_first``: kept to compare with frameworks that dequantize: ``(q_a / s_a) @ (q_b / s_b)`` in the compute dtype
   (the plan hands over dequantized operands, which this module multiplies as they are);
 * ``auto``: ``fp8`` where FP8 tensor cores are (CUDA sm89 and later) and faster there, ``emulated`` elsewhere
   (:func:`resolve_gemm`).

@@ -155,10 +155,10 @@ class RuntimeOptions:
         gemm: how the products are computed: ``emulated`` (the hardware's arithmetic: the 8-bit grid values
             multiplied with an fp32 accumulator, the two decode scales applied to it before the one rounding to
             the output dtype; what an HiF8 NPU or an FP8 tensor core does) or ``dequantize_first`` (each operand
-            dequantized to the compute dtype first, then multiplied: an extra rounding under bf16; the former
-            path, kept to compare); ``fp8``: the same product on FP8 tensor cores (``torch._scaled_mm`` on the grid
+            dequantized to the compute dtype first, then multiplied: an extra rounding under bf16; kept to
+            compare); ``fp8``: the same product on FP8 tensor cores (``torch._scaled_mm`` on the grid
             values cast exactly to E4M3; CUDA sm89+, or the CPU in torch >= 2.13); ``auto``: fp8 on GPUs with FP8
-            tensor cores, emulated elsewhere.
+            tensor cores where it is the faster (timed once at the first forward), emulated elsewhere.
         fp8_tail: with ``gemm: fp8``, the grid values under 2^-12 of the scale, which E4M3 cannot hold: ``drop``
             (left out of the product; relative error ~1e-7 on normal data) or ``exact`` (carried by extra FP8
             GEMMs, up to 4x the GEMM work).

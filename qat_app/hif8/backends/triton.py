@@ -116,16 +116,10 @@ def fake_quantize_triton(
     grid: bool = False,
     whatif_scales: torch.Tensor | None = None,
 ) -> FakeQuantResult:
-    """HiF8 delayed-scaling fake quantization in one Triton kernel; same result as ``_fake_quantize``.
-
-    ``scale``: one-element tensor (used as float32 on x's device, as the reference multiplies in
-    float32). ``max_val`` is rounded to float32 like torch's clamp/compare with a Python scalar.
-    ``noise``: optional int32 random bits of x's shape for stochastic rounding (as hif8_round_f32).
-    ``check=False`` skips the ``supports("hif8", x, scale, noise)`` test (the caller made it). ``grid``: the
-    grid values ``q`` instead of ``q / scale``; ``whatif_scales`` (float32 ``[k]``): the what-if clipped counts
-    under them, from the same read (the backend contract, :mod:`.base`).
-    The outputs carry no autograd graph (the reference's bit manipulation has none either).
-    """
+    """HiF8 delayed-scaling fake quantization in one Triton kernel, the reference's result (the contract,
+    :mod:`.base`): ``scale`` a one-element tensor used as float32, ``max_val`` rounded to float32, ``noise`` int32
+    bits for stochastic rounding, ``grid`` the grid values instead of ``q / scale``, ``whatif_scales`` the what-if
+    counts from the same read; ``check=False``: the caller made the ``supports`` test. No autograd graph."""
     if check and not supports("hif8", x, scale, noise):
         raise ValueError(
             f"fake_quantize_triton does not handle this input (dtype {x.dtype}, numel {x.numel()}, device {x.device}, "
