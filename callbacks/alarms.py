@@ -1,35 +1,14 @@
 """SpikeAlarm: loss spikes, gradient-norm spikes and non-finite steps, as events with their step.
 
-Low-precision training rarely fails at once: an outlier grows, a scale saturates, and one step's loss or
-gradient norm jumps before the run diverges. Once per optimizer step (the first ``on_train_batch_end`` after
-``global_step`` moved, as :mod:`callbacks.saturation` does) the alarm reads, in ONE device->host copy,
+Once per optimizer step, in one device-to-host copy, it reads the step's loss (averaged over the ranks, so every
+rank decides alike), the gradient norm :class:`qat_app.module.QATModule` already computed, and its count of
+skipped non-finite steps. The loss and the gradient norm are scored against their last ``window`` finite values
+by a robust z, (value - median) / (1.4826 MAD) (:func:`robust_z`); an upward jump past ``z_threshold`` and every
+skipped step are events: a log line, ``alarm/*`` at the step they describe, ``alarms.json`` at the end of fit.
+Contract: the state is checkpointed, so a resumed run raises exactly the events of an uninterrupted one.
+``action="stop"`` also saves a checkpoint, stops the fit and prints the resume command.
 
-* the step's loss: the mean of its micro-batch losses (summed on the device as they come, so no host sync
-  per forward; under DDP / FSDP averaged over the ranks first, one small all-reduce, so every rank holds
-  the same history and takes the same decision),
-* the global gradient norm that :class:`qat_app.module.QATModule` computed for clipping and the non-finite
-  check (``last_grad_norm``; no second pass over the gradients),
-* the module's count of skipped non-finite steps (``skipped_steps``),
-
-and scores the loss and the gradient norm against the last ``window`` finite values of each series with a
-**robust z-score**, (value - median) / (1.4826 MAD): the median and the median absolute deviation (scaled
-to the standard deviation of normal noise) are not moved by the spikes they are meant to find, and a slow
-trend raises the MAD with it (a linear ramp scores about 1.35), so a decreasing loss stays silent. The spread
-is taken as at least 0.1 % of the median, so a perfectly flat window (MAD 0) needs a jump of
-``z_threshold`` x 0.1 % to alarm. Only upward jumps alarm, and only once ``min_history`` values are in the
-window. Each spike and each skipped step is an *event*: one log line (step, kind, value, median, z, the usual
-cause), logged as
-
-    alarm/loss_z, alarm/grad_norm_z      the step's robust z (once the window holds min_history values)
-    alarm/events, alarm/nonfinite        cumulative counts (all events; the non-finite ones)
-
-at the step they describe (the x of ``train/loss``), and listed in ``alarms.json`` in the logger directory
-at the end of fit. The windows, counts and events are checkpointed (``state_dict``), so a resumed run
-raises exactly the events of an uninterrupted one.
-
-**Action.** ``warn``: the log line. ``stop``: also saves ``<ModelCheckpoint dirpath or log dir>/
-alarm-stop-step=<N>.ckpt``, stops the fit and prints the resume command (as ``forgetting.action=stop``).
-A skipped non-finite step left the weights as they were, so its stop checkpoint is the last good state.
+See ``docs/diagnostics/alarms.md`` for the metrics and the settings.
 """
 
 from __future__ import annotations

@@ -1,53 +1,14 @@
 """ForgettingMonitor: catastrophic forgetting seen while training, against the initial model, with alarms.
 
-The training loss hides forgetting (in ``docs/reproduction.md`` the lr-1e-4 run ends with the *lower* loss while
-losing ARC-Challenge and HellaSwag points). Every validation of a fit after the step-0 pass
-(:class:`callbacks.initial_eval.InitialEvaluationCallback`) compares the current benchmark records with the
-initial model's, paired over the same examples (:func:`qat_app.eval.measures.compare_records`: mean difference,
-clustered standard error, normal interval), and logs for each benchmark task and monitored measure
+Every validation after the step-0 pass pairs the current benchmark records with the initial model's
+(:func:`qat_app.eval.measures.compare_records`) and logs, per task and monitored measure,
+``forget/<task>/<measure>`` with its 95 % interval (``_low`` / ``_high``). An accuracy-type measure alarms when its
+corrected interval excludes 0 on the worse side, a drift measure when the interval lies wholly above its budget.
+Contract: the chance of any false alarm over the whole run is at most ``level`` (Bonferroni over the planned
+looks, :func:`planned_validations`). ``action="stop"`` also saves a checkpoint and stops the fit. A resumed fit
+compares with the run's original step-0 records; a missing or changed file turns the monitor off, with a warning.
 
-    forget/<task>/<measure>          mean difference now - initial (for ``kl_choices``: the mean KL)
-    forget/<task>/<measure>_low      its 95 % interval (the report's level)
-    forget/<task>/<measure>_high
-
-**Default measures: acc_norm and p_gold_norm.** An alarm must mean lost knowledge on a capable *and* on a
-near-chance model. ``acc_norm`` (lm-eval's headline metric) does, but as a 0/1 measure it resolves only large
-effects. Among the continuous measures, log p(gold | choices) misleads: a near-chance model that flattens its
-choice distribution gains log-probability on the answers it had confidently wrong, so it *rose* in the CPU
-study's forgetting runs (ARC-Challenge +0.26 at lr 1e-4, z +3.4). The probability itself, ``p_gold_norm`` (the
-softmax over the length-normalised choice log-likelihoods that ``acc_norm`` takes the argmax of), is linear
-in the mass: flattening moves it towards 1 / choices, i.e. *down* on a model that knew the answers and barely on
-one that did not, so its fall means mass moved off the right answers on either. (Brier, like log p(gold),
-improves when a near-chance model flattens.) In the CPU forgetting study (``docs/reproduction.md``) neither
-default measure resolved lr 1e-4's 64-step forgetting at ~300 questions, while the drift measures did, by 13x. Drift measures (``forget/kl``
-on held-out text, ``kl_choices``) separate learning rates well (0.097 vs 0.0075 nats on ARC at 1e-4 vs 1e-5)
-but are > 0 for any change: they alarm only against a budget you set (``kl_budget``, ``kl_choices_budget``).
-``kl_budget`` bounds ``forget/kl_drift`` by default (``kl_budget_part``): ``forget/kl`` also holds what HiF8
-changes, a part that is there from the first QAT step at any learning rate and is not forgetting.
-
-**The decision rule.** An accuracy-type measure alarms when its interval excludes 0 on the worse side
-(``higher_is_better`` decides which), a drift measure when its whole interval lies above its budget
-(:func:`qat_app.eval.measures.verdict`), each at a corrected level. Repeated looks inflate false alarms, so the
-family-wise false-alarm rate over the run (``level``, default 0.05) is controlled by **Bonferroni over the
-planned looks**: with K planned validations after step 0 (counted from ``trainer.max_steps``, the gradient
-accumulation, ``val_check_interval`` and ``check_val_every_n_epoch``: :func:`planned_validations`) and m
-monitored task-measure pairs (plus ``forget/kl`` with a budget), each test is one-sided at alpha = level / (K m),
-i.e. it uses the two-sided interval at confidence 1 - 2 alpha (``difference -/+ q se``, q the Student-t quantile
-at clusters - 1 degrees of freedom: :func:`qat_app.stats.corrected`). A union bound holds whatever the dependence between looks and measures, so the run's chance of any
-false alarm is <= level. When K cannot be known (epochs of an unsized stream, time-based validation), look j
-spends alpha_j = level / (j (j + 1) m), which also sums to at most level over any number of looks.
-
-**Action.** ``warn``: one log line per newly alarming pair (task, measure, step, difference, corrected interval,
-and the usual cause: too high a learning rate). ``stop``: also saves a checkpoint
-(``<ModelCheckpoint dirpath or log dir>/forgetting-stop-step=<N>.ckpt``), stops the fit and prints the resume
-command. On resume the monitor keeps comparing with the run's original step-0 records (their path and sha256
-are in the checkpoint; without them it searches ``<logger root>/*/benchmark_samples/val_step0000000.jsonl``); a
-missing or changed file is named in one warning and the monitor is off for the run.
-
-**Why on_validation_end.** The module writes the records in its ``on_validation_epoch_end``, which Lightning
-calls *after* the callbacks' (``_EvaluationLoop._on_evaluation_epoch_end``), and no hook may ``self.log`` after
-it; so the monitor reads the file the module wrote in ``on_validation_end`` (rank 0) and writes its values to
-``trainer.loggers`` at the step Lightning logged that validation at, and into ``trainer.callback_metrics``.
+See ``docs/diagnostics/forgetting.md`` ("Forgetting alarms") for the measures, the rule and the settings.
 """
 
 from __future__ import annotations

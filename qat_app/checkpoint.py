@@ -1,28 +1,14 @@
-"""Checking a checkpoint before a run resumes from it.
+"""Checking a checkpoint before a run resumes from it, and the resume policy (``--ckpt_path PATH|last``).
 
-``python main.py fit --ckpt_path PATH|last`` resolves and checks the checkpoint *before* the trainer starts
-(:class:`qat_app.cli.QATCLI` calls the resume policy at the end of this module), so a truncated or foreign
-file is refused with a message naming it while nothing of the run directory has been touched yet (no
-config.yaml, log or checkpoint is written or overwritten). Two stages: right after parsing, an explicit PATH
-is checked on its own (:func:`check_given_checkpoint`, before LightningCLI reads the model settings out of
-it -- Lightning 2.6 builds the model from a checkpoint file's hyperparameters); after instantiation
-(``before_fit``) ``last`` is resolved and the file is checked against the model (:func:`resolve_ckpt_path`,
-:func:`validate_resume_checkpoint`).
+:class:`qat_app.cli.QATCLI` checks the checkpoint before the trainer starts: an explicit PATH on its own right
+after parsing (:func:`check_given_checkpoint`), then ``last`` resolved and the file checked against the model
+(:func:`resolve_ckpt_path`, :func:`validate_resume_checkpoint`). Contract: a checkpoint is accepted only when it
+loads with ``torch.load`` as Lightning will load it, holds the full training state and holds exactly this model's
+state (names and shapes); otherwise it is refused, naming it, before anything in the run directory is written.
+What defines the run (the model, the data, ``warmup.warmup_steps``) may not change on resume
+(:class:`ResumeSettingsError`, naming each setting and both values); optimisation settings may, with a warning.
 
-A checkpoint is accepted when it
-  * loads with ``torch.load`` (same ``weights_only`` setting Lightning will use; a truncated file fails here),
-  * is a Lightning checkpoint with the full training state (``optimizer_states``, ``loops``, ...; a
-    ``save_weights_only`` checkpoint cannot resume a run),
-  * holds exactly the state of this model: the same parameter and buffer names and shapes (every
-    HiF8Linear with its amax histories of the configured length, the same quantized layers).
-Settings given now that differ from the checkpoint's: with ``--ckpt_path last`` and with a FILE alike, a
-resume continues the saved run, so what defines the run -- the model (``model_name``, ``dtype``, every
-``quant.*`` but the layer-selection patterns, which the state check covers, and the GEMM path ``gemm`` /
-``fp8_tail``, which leaves the state as it is; a ``quant.*`` setting added after the checkpoint was written is
-no change at its default), the data (every ``data.*`` but the benchmarks and ``val_batch_size``, the devices x workers
-the data stream was split over) and ``warmup.warmup_steps`` -- is refused when changed
-(:class:`ResumeSettingsError`, naming each setting and both values); optimisation settings (``lr``,
-``weight_decay``, the schedule, ...) may change: the new value is used, with a warning.
+See ``docs/runs.md`` (exact resume, changed settings on resume) for what is checked and what may change.
 """
 
 from __future__ import annotations

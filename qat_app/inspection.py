@@ -1,33 +1,14 @@
 """``python main.py inspect``: which layers lose the most in HiF8, and what to keep in high precision.
 
-    python main.py inspect --config configs/quickstart.yaml --batches 4 [--out reports/inspect]
-    python main.py inspect --config runs/x/logs/version_0/config.yaml --ckpt_path runs/x/checkpoints/last.ckpt
+Every quantized matmul computes its output in high precision and in HiF8 on the same input (the high-precision
+model's, so errors do not compound); the layers are ranked by output SQNR, worst first, beside the whole model's
+logits SQNR and KL. The model, the data and ``--ckpt_path`` are read as ``main.py validate`` reads them; nothing is
+trained and nothing is written but ``--out``. Scales come from the checkpoint's histories or, without one, from a
+calibration (``--calibration delayed|current``). The suggestion
+(:func:`~qat_app.hif8.layer_error.suggest_high_precision_layers`): the smallest ``high_precision_layers`` whose
+quantized blocks hold no layer below ``--min_sqnr`` dB, or a ``module_pattern`` that leaves out exactly those.
 
-The per-layer numeric comparison of the low-bit checklist (:mod:`qat_app.hif8.layer_error`): ``--batches`` batches
-of text run through the model in high precision; every quantized matmul also computes its HiF8 output on the
-same input, and its output SQNR (dB) and cosine similarity against the high-precision output are ranked worst
-first. Each layer gets the high-precision model's input, so the errors do not compound; the whole model's
-(compounding) error is given apart: the logits' SQNR and KL(high precision || HiF8) per token.
-
-The model and the data are ``main.py validate``'s: the same LightningCLI parser reads ``--config``, every
-``--model.*`` / ``--data.*`` / ``--trainer.*`` flag and ``--ckpt_path`` (nothing is trained, nothing is written
-but ``--out``). The text: the data's held-out documents (``data.val_documents``; ``--split val``) or the start of
-its training stream (``--split train``); a local file is ``--data.init_args.data_files FILE
---data.init_args.dataset null``. The precision and device are the trainer's (``trainer.precision``,
-``trainer.accelerator``).
-
-Scales: with ``--ckpt_path`` the checkpoint's (delayed scales from its amax histories; a checkpoint without any
-history is refused). Without one the model is freshly converted with every block's selected matmuls quantized
-(``high_precision_layers`` set to 0, so any k can be suggested) and has no history: ``--calibration delayed``
-(default) runs ``--calibration_batches`` other batches first, as the BF16 warmup does (training-mode forwards
-with quantization off, one scaler step each), and measures with the resulting delayed scales;
-``--calibration current`` scales each tensor by its own amax.
-
-The suggestion (:func:`~qat_app.hif8.layer_error.suggest_high_precision_layers`): the smallest
-``high_precision_layers`` k (not below the layout measured) whose quantized blocks -- all but the first ceil(k/2)
-and the last floor(k/2) -- hold no layer below ``--min_sqnr`` dB; and, as the alternative, a
-``module_pattern`` that keeps the measured layout but leaves out exactly the layers below the floor (checked
-against the model before it is printed).
+See ``docs/diagnostics/inspect.md`` for the command, its options and the output files.
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
-"""Where a W8A8 step's time goes: a few optimizer steps under ``torch.profiler``, digested into the categories a
-user reasons in.
+"""Where a W8A8 step's time goes: a few optimizer steps under ``torch.profiler``, sorted into the categories a user
+reasons in (:class:`StepProfiler`, ``python main.py fit --profile.steps N``).
 
-``python main.py fit --config C --profile.steps 2`` (the ``profile`` section; off by default) makes
-:class:`StepProfiler` the trainer's profiler (Lightning's profiler interface: it receives every Lightning action,
-the data fetch, the optimizer step, the callbacks, and marks them as ranges while it records). It records
-``steps`` whole optimizer steps (every micro-batch, their data fetches, callbacks and any validation between
-them), by default from the step after the first logging step after the BF16 warmup's switch (the first
-quantized step compiles the quantize kernels, the first logging step the health ones), and
-sorts the time of every recorded op by the innermost range it ran in:
+It records ``steps`` whole optimizer steps, by default after the first logging step past the warmup's switch
+(where kernels compile), and gives each op's time to the innermost range it ran in, one of :data:`CATEGORIES`
+(self CPU time; on CUDA also its kernels' GPU time). The quantization overhead is estimated as (quantize + scaler
+update + health and what-if) over the rest. The digest goes to the log, ``<log_dir>/profile.json``, every logger
+(``profile/*``) and TensorBoard. Contract: each op's time is counted once, in one category; with ``steps=0``
+(the default) nothing is recorded.
 
-    quantize          fake quantization of inputs, weights and gradients, decoding saved codes, the quantized
-                      layer's own Python (:data:`qat_app.hif8.profiling.QUANTIZE`, the autograd function)
-    gemm              the W8A8 products and every other matmul of the model
-    scaler update     the per-step amax sync and the batched scaler update
-    health and what-if
-    optimizer         ``Optimizer.step`` / ``zero_grad`` and gradient clipping
-    data              fetching and moving batches
-    evaluation        validation inside the window
-    communication     collectives (all-reduce, all-gather, reduce-scatter, broadcast), wherever they run
-    other compute     the rest of the model's ops: attention, norms, activations, the loss
-    callbacks and logging
-    checkpointing     saving checkpoints (their state dicts and files)
-    framework         time inside Lightning / autograd ranges but in no op (Python, the autograd engine)
-
-On a CPU each op's *self* CPU time is counted (one thread runs forward and backward: the categories add up to the
-step's wall time, less the Python between ranges, shown as ``not in a range``); on CUDA the GPU time of the
-kernels each op launched is counted too (a second column). The quantization overhead against a BF16 step is
-estimated as (quantize + scaler update + health and what-if) over the rest: the BF16 step runs the same GEMMs
-(the emulated GEMM multiplies in fp32 like an unquantized fp32 layer; on FP8 tensor cores it is faster), so this
-is the time quantization adds. The digest goes to the log (Lightning prints a profiler's summary at the end of
-a fit), to ``<log_dir>/profile.json`` (which the run summary prints), to every logger as ``profile/*`` and, for
-TensorBoard, as a text table; ``trace: true`` also writes the Chrome trace.
+See ``docs/dashboard.md`` ("Where the time goes") for the categories and the output.
 """
 
 from __future__ import annotations

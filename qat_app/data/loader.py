@@ -1,29 +1,14 @@
 """The train loader: one stateful stream of packed blocks per consumer (rank x worker), resumable exactly.
 
-Each consumer (see :mod:`qat_app.data.sharding`) reads its shards or documents, packs them
-(:mod:`qat_app.data.packing`) and passes the blocks through an optional block-level shuffle buffer
-(``shuffle_buffer`` blocks, per consumer) that mixes documents; shard order is permuted per data epoch when
-``shuffle`` is on (seeded by ``seed``). Documents that are empty or tokenise to nothing are skipped, with a
-warning naming the file and the first such document (once per shard); a file that yields no text at all is
-a :class:`~qat_app.data.errors.DataError`.
+Each consumer (:mod:`qat_app.data.sharding`) reads its shards or documents, packs them
+(:mod:`qat_app.data.packing`) and passes the blocks through an optional per-consumer shuffle buffer. Empty
+documents are skipped with a warning; a file with no text at all is a :class:`~qat_app.data.errors.DataError`.
+Contract: :class:`PackedBlockStream`'s ``state_dict`` is the consumer's whole position, and
+:class:`RankedStatefulDataLoader` saves every rank's and worker's in the checkpoint and gives each its own back,
+so a resumed fit reads exactly the blocks an uninterrupted one would. That needs the same data settings, world
+size and ``num_workers`` (checked). Iterators draw from a private generator, never from the global torch RNG.
 
-Exact resume
-------------
-The train loader is a ``torchdata.stateful_dataloader.StatefulDataLoader`` over :class:`PackedBlockStream`,
-whose ``state_dict()`` is the consumer's live position: data epoch, index into its shard list, the
-Hugging Face ``IterableDataset.state_dict()`` of the current shard, per-shard document counters, the
-partial-block token buffer, the shuffle buffer and its RNG. ``StatefulDataLoader.state_dict()`` collects
-that for every worker (snapshot taken in the worker right after each batch it produced, so the loader's
-own prefetching is accounted for) plus which worker yields next; ``load_state_dict()`` before the next
-``iter()`` restores all of them. Lightning 2.6 stores ``train_dataloader().state_dict()`` in the checkpoint
-(``loops.fit_loop.state_dict.combined_loader``) and calls ``load_state_dict`` on resume.
-
-Lightning writes the checkpoint from rank 0 only; :class:`RankedStatefulDataLoader` therefore gathers
-the positions of all data-parallel ranks into the saved state and gives each rank its own back on resume.
-Creating a loader iterator draws from a private generator, never from the global torch RNG (which the
-checkpoint carries through :class:`callbacks.rng.RNGStateCallback`).
-
-A resume is exact only with the same data settings, world size and ``num_workers`` (checked).
+See ``docs/runs.md`` (exact resume).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Which documents train, which are held out, and how the consumers split them.
 
-Sharding (no two consumers see the same document)
---------------------------------------------------
-A *consumer* is one (data-parallel rank, dataloader worker) pair: ``c = rank * W + worker``,
-``N = world_size * W`` (``W = max(1, num_workers)``).
+A consumer is one (data-parallel rank, dataloader worker) pair: ``c = rank * W + worker`` of
+``N = world_size * W`` (``W = max(1, num_workers)``). Contract: no two consumers see the same document. When the
+number of shards is a multiple of ``N`` or at least ``16 N``, consumer ``c`` reads shards ``order[c::N]`` of the
+data epoch's shard order (parquet sources may first be split into row-group shards, ``reshard=True``); otherwise
+every consumer reads the whole stream and keeps document ``k`` iff ``k % N == c``. The first ``val_documents``
+documents of the canonical stream are held out (packed once, split evenly over the ranks) and never trained on;
+``max_documents`` caps training to the next ones. :func:`scan_layout` finds the skip counts in one scan at setup.
 
-* shard level (preferred): when the number of shards is a multiple of ``N`` or at least ``16 N`` (so the
-  consumers get equal or nearly equal amounts of data), consumer ``c`` reads shards ``order[c::N]`` of the
-  data epoch's shard order. Shards are files; parquet sources that do not qualify are first split into
-  row-group shards with ``datasets.IterableDataset.reshard()`` (``reshard=True``; for FineWeb
-  sample-10BT's 14 files this gives one shard per row group, which should be plenty -- not verifiable
-  offline);
-* document level otherwise (e.g. a few jsonl files): every consumer reads the whole stream and keeps
-  document ``k`` (running index over the data epoch's stream) iff ``k % N == c``.
-
-Validation split
-----------------
-The first ``val_documents`` documents of the canonical stream (shard 0, 1, ... in order, before any
-shuffling) are held out: they are packed once into blocks, split evenly over the ranks (same number of
-blocks on every rank, remainder dropped) and served by ``val_dataloader``; training never reads them
-(per-shard skip counts are computed by one scan at setup, :func:`scan_layout`). ``max_documents`` similarly
-caps training to the next ``max_documents`` documents of the canonical stream (for small runs: setup scans
-that far).
+See ``docs/configuration.md`` for the ``data.*`` settings.
 """
 
 from __future__ import annotations

@@ -1,56 +1,14 @@
 """KL divergence to the initial model on held-out text: the initial model's top-k cache and ``forget/kl``.
 
-At the start of a new fit (:class:`callbacks.initial_eval.InitialEvaluationCallback`, quantization off) the
-initial model scores the first held-out validation blocks and keeps, per position, its ``k`` most likely next
-tokens with their log-probabilities plus one bucket for the rest of the vocabulary,
-``log(1 - sum of the top-k probabilities)``, computed stably as the log-sum-exp of the other logits. Every
-later validation of the fit scores the same positions with the current model at the *same* indices (plus its
-own rest bucket) and logs the mean per-token
+At the start of a fit the unquantized initial model keeps, on the first held-out blocks, its top-k next-token
+log-probabilities plus one bucket for the rest of the vocabulary (``initial_topk.pt``). Every later validation
+scores the same positions and logs the mean per-token KL(initial || now) with its 95 % interval and, with
+``parts``, its drift and quantization parts. Contract: ``forget/kl`` is a lower bound of the full-vocabulary KL
+(both sides coarse-grained onto the same partition) and exactly 0 for a model compared with itself; a missing,
+damaged or foreign cache is named in one warning and the run goes on without ``forget/kl``. :func:`kl_between`
+gives the same KL between the ``final_topk.pt`` files of two runs of one cache.
 
-    KL(initial || now) = sum_j p_j (log p_j - log q_j) + p_rest (log p_rest - log q_rest)
-
-as ``forget/kl`` with a 95 % interval over sequences, ``forget/kl_low`` / ``forget/kl_high`` (mean +- 1.96
-standard errors of the per-sequence means, gathered over the data-parallel ranks).
-
-**A lower bound.** Both distributions are coarse-grained onto the same partition of the vocabulary
-(the initial model's top-k tokens, one by one, and "everything else"); coarse-graining never increases a
-KL divergence (the data-processing inequality), so ``forget/kl`` <= the full-vocabulary KL. It misses only
-how the mass *inside* the rest bucket is rearranged; ``tests/test_kl_cache.py`` measures how close it is.
-
-**In parts.** ``forget/kl`` compares the initial model, unquantized, with the current one, quantized: it holds
-what training moved *and* what HiF8 changes (and the W8A8 forward's noise floor, :mod:`qat_app.eval.noise_floor`).
-With ``parts`` (the default) each validation batch of the cache is scored once more with quantization off, and
-
-    forget/kl_drift         KL(initial || now, quantization off): what training moved (the forgetting), on the
-                            same partition as forget/kl (a lower bound);
-    forget/kl_quantization  KL(now, quantization off || now, quantization on): what HiF8 changes, over the full
-                            vocabulary (exact: both logits are at hand);
-
-are logged beside it with their intervals (``_low`` / ``_high``). The cost: one more forward over the cache's
-sequences per validation. A model that did not move has drift exactly 0 (its batches are scored as the initial
-model's were); a run without quantization has a quantization part of exactly 0. KL is not additive along a chain,
-so the parts need not sum to ``forget/kl``.
-
-**Storage.** Indices are int32 (vocabularies exceed int16); log-probabilities are float16: a relative error
-of at most 2**-11 per value, and since both sides go through float16 and are renormalised before the KL is
-taken, the KL of a model with itself is exactly 0, and on perturbed models the mean moves by < 1e-4
-relative (one token's value by up to ~1e-4 nats, noise that averages out). float32 would cost 33 % more for
-no visible gain. Per token:
-``4k + 2(k+1) + 4`` bytes (indices, log-probs, the token id) = 198 bytes at k=32.
-
-**Size.** At most ``max_tokens`` positions are kept (default 262,144 = 2**18): whole sequences, the first
-``max_tokens // seq_len`` of them (split evenly over the ranks, at least one per rank; with
-``seq_len > max_tokens`` the first ``max_tokens`` positions of one sequence). At seq 1024 that is 256
-sequences (the paper's configs validate 6,400), 51.9 MB in ``<log_dir>/initial_topk.pt``.
-
-**Files.** ``initial_topk.pt`` (written once, at step 0, atomically, by rank 0) holds a header (k,
-sequences, positions, tokens, world size, model name, the data fingerprint: a hash of the token ids, the
-partition: a hash of the indices and data, a checksum of the payload), ``tokens`` int32 [N, L], ``indices``
-int32 [N, L, k] and ``logprobs`` float16 [N, L, k+1]. Every validation after step 0 writes the current model's
-log-probs at those indices to ``<log_dir>/final_topk.pt`` (same header fields, ``logprobs`` only): after the
-run it holds the final validation's, so :func:`kl_between` gives KL(baseline || QAT) between two runs of the
-same initial cache. A resumed fit reads its cache back; a missing, damaged or foreign one (another model,
-other data, another world size) is named in one warning and the run goes on without ``forget/kl``.
+See ``docs/diagnostics/forgetting.md`` for the metrics, the files and their sizes.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Continuous per-example measures of the benchmark records, and their paired comparison between two models.
 
-0/1 accuracy throws away what every record holds: each choice's summed log-likelihood. The measures here use it
-(E. Miller, "Adding Error Bars to Evals", arXiv 2411.00640: paired question-level differences, clustered standard
-errors, probabilities instead of 0/1; Heineman et al., "Signal and Noise", arXiv 2508.13144; Dutta et al.,
-"Accuracy is Not All You Need", arXiv 2407.09141: answer flips and the KL divergence to the baseline).
+:data:`MEASURES` is the one registry of measure names, of two kinds: ``accuracy`` (one value per example and
+model, compared as the paired mean difference against 0, the worse side set by ``higher_is_better``) and
+``drift`` (one value per example from both models, >= 0, so judged against a budget); :func:`verdict` decides.
+:func:`compare_records` pairs two lists of record rows by (task, doc_id, subject) and returns, per task and
+measure, the mean difference with a standard error clustered by the records' ``cluster``, its interval and z
+(for 0/1 measures also the answer flips and McNemar's p). Rows that lack a field still compare: the measures that
+need it are named in ``unavailable``. numpy only, no torch.
 
-:data:`MEASURES` is the one registry of measure names. Two kinds:
-
-* ``accuracy``: one value per example and model (``acc``, ``acc_norm``, ``p_gold``, ``p_gold_norm``,
-  ``gold_loglik_per_byte``, ``brier``); compared as the paired mean difference after - before, tested against 0
-  (``higher_is_better`` says which side is worse: :func:`verdict`).
-* ``drift``: one value per example from both models at once (``kl_choices``, ``flips_acc``, ``flips_acc_norm``);
-  always >= 0 and 0 only for an unchanged model, so a test against 0 says nothing: it needs a budget (a threshold,
-  or a reference run's value), see :func:`verdict`.
-
-Softmaxes are over the example's choices only (the choice distribution ``acc`` takes the argmax of), raw as
-``acc`` uses the log-likelihoods, or length-normalised (loglik / characters) as ``acc_norm`` does.
-
-:func:`compare_records` pairs two lists of record rows (``qat_app.eval.records.record_rows``; e.g. the initial
-evaluation and the current one, during fit or in ``report``) by (task, doc_id, subject) and returns, per task and
-measure, a :class:`~qat_app.stats.PairedResult`: mean difference, its standard error clustered by the records'
-``cluster`` (MMLU: subject; HellaSwag: ``source_id``; ARC: none), the normal interval, n, clusters, z, and for 0/1
-measures the answer flips both ways with McNemar's exact p. Rows written before a field existed (``choice_chars``,
-``choice_bytes``, ``cluster``) still compare: the measures that need the field are named in ``unavailable`` (old
-rows without ``cluster`` cluster by their MMLU subject, else each example alone). Light: numpy only, no torch.
+See ``docs/reports.md`` for the measures and ``docs/diagnostics/forgetting.md`` for their use in the alarms.
 """
 
 from __future__ import annotations

@@ -1,52 +1,14 @@
 """The FP8 serving export: a ``compressed-tensors`` checkpoint that vLLM and transformers load, holding the trained
 HiF8 weights exactly (:func:`export_compressed_tensors`).
 
-There is no HiF8 checkpoint format an inference engine reads; FP8 E4M3 checkpoints in the ``compressed-tensors``
-format (the one llm-compressor writes) are served by vLLM on NVIDIA GPUs (sm89 and later) and loaded by
-transformers through its compressed-tensors integration. HiF8 maps onto E4M3 without a second rounding:
+Each quantized weight is written as the E4M3 values ``16 v`` of its HiF8 grid values ``v``, with per-output-channel
+scales ``1 / (16 s)``; activations follow the serve target (:data:`SERVE_TARGETS`). Everything else stays in
+``dtype`` and is named in the ``ignore`` list. Contract: above E4M3's floor (``|v| >= 2^-12``) every written weight,
+read back and dequantized by compressed-tensors, equals the QAT model's fake-quantized weight within one float32
+rounding of the scale (bit for bit with power-of-two scales); this is checked before the export is renamed into
+place. The elements below the floor are counted per tensor in ``fp8_export.json``.
 
-* a weight the QAT forward quantized with scale ``s`` holds grid values ``v`` (``|v| <= max_val``); ``16 v`` (16:
-  :func:`~qat_app.hif8.fp8_gemm.shift_for` of 15, a power of two) is an E4M3 value for every ``|v| >= 2^-12``
-  (HiF8's denormals and 1-bit tier below that are rounded, ties to even: the *floor*; counted per tensor, with the
-  largest error), and ``weight_scale = 1 / (16 s)`` turns it back into ``v / s``. Rounding ``1 / (16 s)`` to
-  float32 is the only other difference (none when ``s`` is a power of two: ``model.quant.power_2_scales``);
-* weight scales are written per output channel (``[out, 1]``, every row its tensor's scale), because vLLM fuses
-  gate/up (and q/k/v) into one GEMM and re-quantizes per-tensor weights of a fused group to the group's largest
-  scale, which would re-round the HiF8 values; per-channel scales keep each row's own;
-* activations, by the **serve target** (:data:`SERVE_TARGETS`; what vLLM 0.32's kernel selection takes for
-  per-channel weights, read in ``vllm/model_executor/kernels/linear``):
-
-  - ``any`` (the default): dynamic per-token E4M3 scales (``amax / 448`` of each token, computed by the engine).
-    vLLM's CPU kernel for per-channel weights (``ChannelWiseTorchFP8ScaledMMLinearKernel``) needs a per-token
-    activation scale (a static per-tensor one crashes it at the first forward), and its CUDA kernels (CUTLASS,
-    sm89+) take it too. Inputs are then not quantized at the trained scale: no clipping, 3 mantissa bits over the
-    token's top 15 binades (finer than HiF8 everywhere); the served-vs-trained measurements say what it costs.
-    An input left unquantized (switched off, fallen back to high precision) keeps its layer in ``dtype``:
-    vLLM's CPU platform has no FP8 weight-only (W8A16) kernel.
-  - ``cuda``: a static per-tensor ``input_scale = a_hat / (15 x 16)`` from the trained delayed scale (the scale
-    the QAT model's eval forward uses), so every HiF8 grid point in range is an E4M3 value; serving clips at 448
-    (an input of 448 a_hat / 240 = 1.87 a_hat, where training clipped at a_hat), keeps 3 mantissa bits where HiF8
-    has 2 or 1 and rounds ties to even (HiF8: away from zero). Served by vLLM's CUDA kernels (CUTLASS), not by its
-    CPU ones. An unquantized input gives a weight-only (W8A16, Marlin) group.
-
-  An input scaled by current scaling (CTS, or a fallback to it) is dynamic under either target; vLLM quantizes
-  every dynamic FP8 input per token, so the export declares it per token (``strategy: token``) and transformers'
-  emulation (:mod:`.served`) does the same.
-
-Everything else stays in ``dtype`` (BF16) and is named in the ``ignore`` list (vLLM needs every linear layer
-either matched by a group or ignored): attention, embeddings, ``lm_head``, the boundary blocks' MLPs, weights that
-fell back to high precision, GPT-2 style ``Conv1D`` layers (the format quantizes ``nn.Linear``), and a layer whose
-vLLM-fused partners do not share its scheme (vLLM refuses mixed schemes in one fused GEMM). MoE experts stay in
-BF16 too: transformers 5 stores them as fused ``[E, 2I, H]`` parameters, which neither compressed-tensors'
-compressors nor vLLM's fused-MoE loader (per-expert ``experts.N.gate_proj`` checkpoint names) read as FP8. Every
-ignored weight holds the value the QAT forward used (fake-quantized when its weight was quantized, rounded to
-``dtype``).
-
-The export checks itself before it is renamed into place: every written FP8 weight, read back from the file and
-dequantized by compressed-tensors' own ``dequantize``, equals the QAT model's fake-quantized weight above the floor
-within one float32 rounding of the scale (bit for bit when the scale is a power of two). ``fp8_export.json``
-holds the per-tensor figures (elements below the floor and their largest error, the weight and activation
-scales, the scheme), what is ignored and why, and the sizes.
+See ``docs/serving.md`` for the serve targets, what is ignored and why, and the report file.
 """
 
 from __future__ import annotations

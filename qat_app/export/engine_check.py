@@ -1,27 +1,14 @@
 """The FP8 export served by the real engine: vLLM, in its own virtual environment, measured against the QAT model.
 
-:func:`check_with_engine` sends the export to :mod:`.vllm_worker` (run by that environment's python), which loads
-it with ``vllm.LLM`` as a user would, completes a few prompts greedily, returns the engine's prompt
-log-probabilities on the run's held-out text and, when lm-evaluation-harness is installed there, scores the
-run's benchmark questions through lm-eval's ``vllm`` backend. Here, with the project's own loaders:
+:func:`check_with_engine` has :mod:`.vllm_worker` (run by that environment's python) load the export with
+``vllm.LLM`` as a user would, complete a few prompts and return the engine's log-probabilities on the run's
+held-out text (and, with lm-eval installed there, its benchmark answers). From them: the perplexity ratio served /
+trained (exact, with a paired interval); KL(trained || served) as a lower bound, both distributions coarse-grained
+to the engine's top-k plus the served token and the rest (:func:`partition_kl`); benchmark differences paired with
+the trained model's. Contract: the emulated served forward (:func:`~.served.load_served`) is within bound when its
+KL to the engine is at most twice KL(emulation in float32 || in bfloat16) (:class:`EngineCheck`).
 
-* **text**: per token, the engine gives the served token's log-probability (exact: the perplexity ratio
-  served / trained is exact, with its paired interval, each sequence one unit) and its top ``k``. The KL of the
-  trained model to the served one is reported as the **partition lower bound**: with ``S`` the engine's top-k
-  plus the served token and ``R`` the rest of the vocabulary, ``sum_{v in S} p_v log(p_v / q_v) + p_R log(p_R /
-  q_R)`` (the KL of the two distributions coarse-grained to ``S + {R}``; by the data-processing inequality never
-  above the full KL, and equal to it when ``S`` holds the whole mass). ``coverage`` is the trained model's mean
-  mass on ``S``.
-* **the emulation checked**: the same two measures between the emulated served forward (the export loaded by
-  transformers, :func:`~.served.load_served`, what ``--compare`` measures) and the engine. They compute one
-  function in different arithmetic (BF16 activations and other GEMM orders in the engine), so they should
-  disagree by no more than float rounding makes a W8A8 forward disagree with itself: the **bound** is twice
-  ``KL(emulation in float32 || emulation in bfloat16)`` (the BF16 change alone; two changes of that kind from a
-  common model add their variances, hence 2x). An engine that served other numbers (other scales, a static
-  input taken as dynamic) lands far above it.
-* **benchmarks**: acc / acc_norm from lm-eval's log-likelihoods, paired with the trained model's per-example
-  scores (the in-loop evaluator, :func:`qat_app.eval.measures.compare_records`: flips, McNemar, clustered
-  intervals).
+See ``docs/serving.md`` (checking the export on the real engine) and ``docs/serving-results.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Automatic fallback: a quantized tensor that keeps saturating, or whose SQNR stays low, leaves 8-bit delayed scaling.
 
-The paper's first failure mode, amax saturation, is per tensor: one activation whose amax keeps outgrowing its
-delayed estimate clips step after step while every other tensor is fine. TransformerEngine moves such a GEMM to
-high precision (its ``AutoswitchGemm`` proposal: underflow or MSE over a threshold); here the policy is
-opt-in and per tensor (input, weight, output gradient of one quantized matmul):
+Opt-in and per tensor (input, weight, output gradient of one quantized matmul): persistent saturation (events in
+at least ``min_events`` of its last ``window`` quantized steps) or a low SQNR (under ``sqnr_floor_db`` on
+``sqnr_patience`` consecutive measurements) moves the tensor, for the rest of the run, to current scaling or to
+high precision (:class:`FallbackPolicy`). Contract: the decision, with its step and evidence, lives in the
+matmul's extra state, so a checkpoint, a resumed run and an 8-bit export all carry it; :class:`FallbackMonitor`
+holds the evidence in its ``state_dict``, so a resumed run decides the same at the same steps. :func:`fallback_step`
+does it all for a model once per optimizer step (one device-to-host copy; an all-reduce only on measured steps).
 
-* **persistent saturation**: saturation events (>= 1 clipped element, on any data-parallel rank) in at least
-  ``min_events`` (k) of the tensor's last ``window`` (W) quantized steps;
-* **low SQNR**: the tensor's quantization SQNR (:mod:`.health`, measured on logging steps) under
-  ``sqnr_floor_db`` on ``sqnr_patience`` consecutive measurements.
-
-Such a tensor falls back, for the rest of the run, to ``target``: ``current`` scaling (its scale from its own
-amax: it can no longer clip; :meth:`~qat_app.hif8.quantized.QuantizedMatmul.fall_back`) or ``high_precision``
-(it is no longer quantized). The decision, with its step and evidence, lives in the matmul's extra state, so a
-checkpoint, a resumed run and an 8-bit export all carry it.
-
-:class:`FallbackMonitor` holds the evidence (host-side CPU tensors, with ``state_dict``): call
-:meth:`~FallbackMonitor.update` once per optimizer step with the scalers' run counters (``saturation_events``
-and ``quantized_steps``, the same on every rank) and, on steps whose health was measured, the SQNR (summed over
-the ranks first); each step's events are the counters' differences, so nothing but two counters per tensor is
-read. :func:`fallback_step` does all of it for a model (one device->host copy per step; the SQNR's all-reduce
-only on measured steps); the Lightning app's ``fallback`` callback calls it.
+See ``docs/diagnostics/fallback.md`` for the rules, the remedies, the verification and the budget.
 """
 
 from __future__ import annotations

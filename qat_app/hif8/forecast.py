@@ -1,30 +1,14 @@
-"""Saturation forecast: see a tensor heading for its first clip before it happens.
+"""Saturation forecast: see a tensor heading for its first clip before it happens (:class:`SaturationForecast`).
 
-The paper's failure, a delayed scale too small, shows in one number per tensor and step: the *headroom*
-``h = a_hat / amax`` (the estimate the step was scaled by over the amax it met), which the scalers already compute on
-the device at every step boundary (:mod:`.scaler_bank`). A step clips when ``amax * s >= threshold`` with
-``s = max_val / a_hat / 2^margin``, i.e. when ``h < h_clip = max_val / (threshold * 2^margin)`` (HiF8 at 15: 15 /
-15.5 = 0.968). A tensor whose amax grows faster than its window forgets has a headroom that falls step after step.
+Per tensor, a robust line (Theil-Sen) is fitted to the headroom ``a_hat / amax`` of its last quantized steps;
+where it falls significantly it is extrapolated to the clip line ``max_val / (threshold * 2^margin)``, raised by
+two robust spreads: the steps to the first clip at this rate. A tensor forecast to clip within ``horizon`` steps
+is at risk and warned about once, again only after it cleared. At the end of a run each warning is scored (a hit
+with its lead, a false alarm, open at the end) and each first clip without a warning is a miss. Contract:
+host-side, on the headrooms the saturation callback already reads once per step (no per-forward work, no extra
+sync); the state is a plain ``state_dict``, so a resumed run forecasts exactly what the uninterrupted one would.
 
-Per tensor, over its last ``points`` quantized steps (default: the horizon, at least 16; forecasting starts once it
-has one window of them, ``min_points``), the forecast fits a robust line to
-the headroom (Theil-Sen: the median of the pairwise slopes, then the median intercept; one outlying step moves
-neither), and, where it falls significantly (a slope 4 standard errors below zero: a stationary tensor's scatter
-does not make one), extrapolates it to ``h_clip`` raised by two robust spreads of the steps about the line (a step
-scattered that far below the trend clips): **steps to clip at this rate**. The slope is reported
-per window (``history_len`` steps: the headroom lost in the time the window takes to forget). A tensor is *at risk*
-when it is forecast to clip within ``horizon`` steps (default: one window); it is warned about once, and again only
-after a step that cleared it.
-
-Scored against what happened, at the end of a run: a warning is a *hit* if the tensor clipped while it was open
-(lead time: the steps between them), a *false alarm* if it cleared (its forecast back beyond the horizon, more than
-``horizon`` steps after it) or its horizon ran out without a clip, *open at the end* if the run ended within its
-horizon; a tensor's first clip with no warning open is a *miss*. A tensor that clips on one step out of the blue (a spike with no
-trend) is a miss by construction: the forecast is for drifts, not for spikes.
-
-Host-side, on the headroom values the saturation callback reads once per optimizer step anyway (one device->host copy
-for all tensors): no per-forward work, no extra sync. Its state (the recent headrooms, the open warnings, the scored
-events) is a plain ``state_dict``: a resumed run forecasts exactly what the uninterrupted one would.
+See ``docs/diagnostics/saturation.md`` ("Saturation forecast") for the logged figures and the settings.
 """
 
 from __future__ import annotations

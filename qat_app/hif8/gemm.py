@@ -1,28 +1,17 @@
 """How the product of a quantized matmul is computed: like the hardware, over the 8-bit grid.
 
-A W8A8 engine (an HiF8 NPU's quantized matmul, an FP8 tensor core through ``torch._scaled_mm``) multiplies the
-8-bit values themselves, accumulates in fp32 and applies the two per-tensor decode scales ``1 / s`` to the
-accumulator, then rounds once to the output dtype. Dequantizing each operand first (``q / s`` in the compute
-dtype, then a matmul) adds a rounding the hardware does not make: under bf16, ``q / s`` with an arbitrary fp32
-scale keeps only 8 significant bits, which doubles the GEMM's error against the hardware's arithmetic.
+An :class:`Operand` is one side of a GEMM: the grid values ``q`` (exact in bf16, fp16 and fp32) with their scale
+``s``, or an unquantized tensor (scale None). :func:`scaled_mm` computes ``a @ b`` from two of them in one of
+:data:`GEMM_MODES` (:func:`resolve_gemm`): ``emulated`` (the default), ``fp8`` (the same product on FP8 tensor
+cores, :mod:`.fp8_gemm`), ``dequantize_first`` or ``auto``. Contract of ``emulated``: the grid values are
+multiplied with an fp32 accumulator, the decode factor ``1 / (s_a s_b)`` and the bias are applied to the
+accumulator, and the result is rounded once to the output dtype, as a W8A8 engine does. Two unquantized operands
+are multiplied as they are.
 
-An :class:`Operand` is what one side of a GEMM holds: the grid values ``q`` (the format's values of ``x * s``:
-at most 4 significant bits, so exact in bf16, fp16 and fp32) with their scale ``s``, or a tensor that is not
-quantized (scale None). :func:`scaled_mm` computes ``a @ b`` from two of them:
-
-* ``emulated`` (the default): the grid values multiplied with an fp32 accumulator (fp32 operands: an fp32
-  GEMM, whose products of 4-bit significands are exact; bf16/fp16 on CUDA: ``torch.mm(..., out_dtype=float32)``;
-  elsewhere the operands are widened to fp32, exactly), the decode factor ``1 / (s_a s_b)`` (one float32
-  number) and the bias applied to the fp32 accumulator, one rounding to the output dtype;
-* ``fp8``: the same product on FP8 tensor cores (:mod:`.fp8_gemm`: the grid values cast to E4M3 exactly,
-  ``torch._scaled_mm``), when both operands are quantized; with ``fp8_tail`` for the few values E4M3 cannot hold;
-* ``dequantize_first``: kept to compare with frameworks that dequantize: ``(q_a / s_a) @ (q_b / s_b)`` in the compute dtype
-  (the plan hands over dequantized operands, which this module multiplies as they are);
-* ``auto``: ``fp8`` where FP8 tensor cores are (CUDA sm89 and later) and faster there, ``emulated`` elsewhere
-  (:func:`resolve_gemm`).
-
-Two unquantized operands are multiplied as they are (the BF16 warmup computes what BF16 does).
+See ``docs/gemm.md`` for the modes and how each step of the product is done.
 """
+
+from __future__ import annotations
 
 from __future__ import annotations
 

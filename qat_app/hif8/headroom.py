@@ -1,36 +1,13 @@
 """What-if headroom: the SQNR and clipping a quantized tensor would have had at other ``max_val`` settings.
 
-``max_val`` decides where a tensor lands on a tapered format: the element at the estimate ``a_hat`` goes to
-``max_val`` (the scale is ``s = max_val / a_hat``), so a smaller ``max_val`` puts the bulk of the tensor in the
-3-mantissa-bit band of HiF8 (|e| <= 3) but leaves less room above ``a_hat``, a larger one the reverse. One run holds
-what is needed to answer the question for every ``max_val`` at once: the |x| histogram of each tensor that the health
-measurement keeps (:mod:`.health`: one bin per float32 exponent and 3 top mantissa bits, 8 per binade) and the
-scale it was quantized with.
+From the magnitude histogram the health measurement keeps (:mod:`.health`, 8 bins per binade) and the tensor's
+a_hat, every ``max_val`` of a grid gets an estimate (elements spread uniformly within a bin, the squared error
+integrated over the format's true grid) and a bound (:class:`HeadroomEstimate`). Contract: the bound holds for any
+tensor, whatever the distribution inside the bins (``sqnr_db_low`` .. ``sqnr_db_high``, ``clipped_low`` ..
+``clipped_high``); the estimate is first-order (on the trajectory the run trained) and assumes rounding to
+nearest. Host-side float64 arithmetic on health vectors already read: no device work.
 
-**The estimate.** At ``max_val = m`` the scale is ``s_m = m / a_hat / 2^margin`` (the scaler's own rule,
-:func:`~.backends.reference.current_scale`, with the same ``a_hat``). An element ``x`` becomes ``y = |x| s_m`` and is
-quantized to ``Q(y) = round(min(y, m))`` on the format's grid; its error is ``|y - Q(y)| / s_m``, and it is *clipped*
-when ``y >= saturation_threshold(m)`` (the one clipping definition, :mod:`.fake_quant`). A histogram bin
-``[L, U)`` maps to ``[L s_m, U s_m)``; the estimate takes the bin's elements spread uniformly over it and integrates
-the squared error over the format's true grid exactly (piecewise quadratics between grid points and rounding
-midpoints), so the only assumption is uniformity *within* a bin of width 1/8 binade.
-
-**The bound** (deterministic, whatever the distribution inside the bins): every element of a bin has an error between
-the smallest and the largest error of any point of the bin, so the error power lies in ``[sum_b n_b min_b,
-sum_b n_b max_b]``; the SQNR in ``[10 log10(S / E_max), 10 log10(S / E_min)]`` (``S = sum x^2``, exact, measured);
-the clipped count in ``[elements of bins wholly above the threshold, elements of bins reaching above it]``. The bin
-edges are exact float32 numbers; ``y`` is ``fl(|x| s)``, which moves ``y`` by at most 2^-24 relative: the bounds
-are widened by that much. For a smooth distribution the estimate is much closer than the bound (within a few tenths
-of a dB on Gaussian and Student-t tensors, tests/test_headroom.py); the bound is what holds for any tensor.
-
-Rounding is to nearest, as activations and weights are quantized; a gradient under stochastic rounding
-(``grad_stochastic_rounding``) has about twice the squared error, and its estimate is that much optimistic.
-
-**What it is not**: the SQNR of one tensor at one step, to first order (the trajectory is the one trained with the
-run's own ``max_val``), and not a benchmark: an SQNR gain is a smaller quantization error, which may or may not show
-in the loss or a benchmark.
-
-Host-side arithmetic on the health vectors the saturation callback already read (float64, no device work).
+See ``docs/diagnostics/saturation.md`` ("What-if headroom") for the logged figures and the suggested ``max_val``.
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
 """Numeric health of a quantized tensor, and what the other amax estimators would have clipped on it.
 
-Two measurements of one fake quantization ``q = round(clamp(x * s, +-max_val))`` (``s`` the scale the
-tensor was quantized with), both device ops only (no host sync on the forward), accumulated per scaler
-(:mod:`.scaling`) and read once per logging step, counts summed over the data-parallel ranks:
+Two device-side measurements of one fake quantization, accumulated per scaler. **Health**, on logging steps only
+(:func:`qat_app.hif8.quantized.set_health_measurement`): one float64 vector per tensor, :data:`FIELDS`, then the
+:data:`TIERS` counts, then a histogram of the magnitudes (:data:`HEALTH_LEN` entries in all), every entry additive
+over micro-batches and ranks; :func:`summarize` turns it into SQNR, underflow, tiers and the outlier factor.
+**What-if**, on every quantized step: the elements each estimator of :data:`WHATIF_ALGOS` would have clipped with
+the same history, by the real counter's clipping rule, so the scaler's own estimator counts exactly what the real
+counter counts. Neither adds a host sync to the forward or the backward.
 
-**Health**, on logging steps only (a host-side switch, :func:`qat_app.hif8.quantized.set_health_measurement`,
-set before the forward of such a step and cleared after: other steps pay nothing). One float64 vector per
-tensor (:data:`HEALTH_LEN`), every entry additive over micro-batches and ranks, so reductions are exact:
-
-    numel        elements measured
-    sum_x2       sum x^2                 } SQNR_dB = 10 log10(sum_x2 / sum_err2), float64 sums
-    sum_err2     sum (x - dequantized)^2 } (inf when the error is 0); dequantized: what the matmul used
-    underflow    x != 0 but q == 0
-    tiers        elements of q per precision tier, :data:`TIERS`: HiF8 by the unbiased exponent e of |q|:
-                 mant3 |e| <= 3, mant2 4..7, mant1 8..15, denormal |q| < 2^-15, zero q == 0 (the format's own
-                 table, :func:`qat_app.hif8.formats._mantissa_bits`); E4M3 / E5M2 have one normal tier, counted
-                 in the column of their mantissa width (E4M3: mant3, E5M2: mant2; the other two stay 0).
-                 A NaN q is in no tier; an infinite q (only with max_val beyond the format's range) is mant1
-    histogram    |x| on a fixed log grid: bin 0 holds the zeros, bin 1 + (float32 bits of |x| >> 20) the rest:
-                 one bin per exponent and top 3 mantissa bits, a width of 1/8..1/15 (~9 %) of the value
-
-q is computed exactly as the backends do (the format's rounding of ``clamp(x.float() * s)``, with the same
-noise under stochastic rounding), not rebuilt as ``dequantized * s`` (an ulp off at powers of two).
-:func:`summarize` turns summed vectors into the logged figures, among them the *outlier factor*
-amax / p99.9(|x|): p99.9 is read off the histogram as the lower edge of the bin holding the 99.9th
-percentile, so the factor is exact to the bin width: never below the true one, at most 12.5 % above it.
-
-**What-if**, on every quantized step: the elements that each estimator of :data:`WHATIF_ALGOS` would have
-clipped on the same tensor with the same history, by the one clipping definition of the real counter
-(``|x.float() * s| >= formats.saturation_threshold``, :func:`qat_app.hif8.fake_quant.saturated_mask`):
-``most_recent``, ``exp_smooth`` and ``max`` with the scales the scaler keeps for them (computed at each step
-boundary from the same history, :mod:`.scaler_bank`), ``current`` with the tensor's own amax (CTS clips
-nothing in a finite tensor; it is counted anyway, which shows it). The estimator the scaler runs counts
-exactly what the real counter counts. To first order only: the trajectory is the one actually trained
-(the weights and activations the *real* estimator produced), not the one another estimator would have led to.
-
-Both run as the fake quantization does (``fused``): plain torch with "off", else compiled by torch.compile
-into a few fused passes over the tensor (plain torch would take dozens: the HiF8 rounding alone is ~20 ops).
+See ``docs/diagnostics/health.md`` for the logged figures and ``docs/diagnostics/saturation.md`` for the what-if.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """What was quantized, and why the rest was not: the inventory of a converted model (``quantized_modules.json``).
 
-Other FP8 stacks have quantized layers their users had excluded, silently; this file is the proof of what ran
-in 8 bits. :func:`quantization_inventory` is a pure function of a converted model and the
-:class:`~qat_app.hif8.recipe.LayerSelection` it was converted with. It returns a JSON-ready dict::
+:func:`quantization_inventory` is a pure function of a converted model and the
+:class:`~qat_app.hif8.recipe.LayerSelection` it was converted with. Its JSON-ready dict holds ``format``,
+``version``, ``model_class``, ``selection``, ``num_blocks``, ``quantized_blocks``, ``high_precision_blocks`` with
+``high_precision_reason``, ``totals``, ``modules`` (one entry per quantized matmul, in model order: its numerics,
+its quantized operands, any ``fallback`` decision) and ``excluded`` (every linear left in high precision, with
+its reason). Contract: every quantized matmul is in ``modules`` and every other linear in ``excluded``.
+:func:`inventory_lines` renders it in a few lines, :func:`inventory_summary` in one.
 
-    format, version          "qat_app/quantized-modules", 1
-    model_class              e.g. "LlamaForCausalLM"
-    selection                module_pattern, block_pattern, high_precision_layers, filter_fn (its name, or null)
-    num_blocks               decoder blocks of the model
-    quantized_blocks         blocks with at least one quantized matmul
-    high_precision_blocks    blocks kept in high precision, and high_precision_reason: why (the boundary rule
-                             of high_precision_layers=k: the first ceil(k/2) and the last floor(k/2) blocks;
-                             with a module filter: the blocks it chose nothing in)
-    totals                   quantized_modules (every quantized matmul, MoE expert projections included),
-                             quantized_linears (the dense ones), quantized_parameters, linears (every dense
-                             linear of the model, quantized or not)
-    modules                  one entry per quantized matmul, in model order: name, kind (the name inside its
-                             block), block, weight_shape, parameters, format, amax_algo, history_len, alpha
-                             (exp_smooth only, else null), max_val, margin, quantized: {input, weight, grad},
-                             fallback: {operand: its decision (target, step, reason, evidence)} of the operands
-                             the fallback policy (:mod:`.fallback`) switched; an operand fallen back to high
-                             precision is not quantized
-    excluded                 every linear (and fused MoE experts module) left in high precision: name, block,
-                             reason (a boundary block, not matched by module_pattern, outside the decoder
-                             blocks, or excluded by the module filter)
-
-:func:`inventory_lines` renders it as a few lines (block ranges with the same module kinds, not one line per
-module) and :func:`inventory_summary` as one.
+See ``docs/diagnostics/inspect.md`` for the fields and the printed summary.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """QuantizedMatmul: the one quantized-matmul concept of the core, shared by the dense linear and the MoE experts.
 
-A quantized matmul computes ``x @ W.T (+ b)`` with the input activation and the weight each fake-quantized
-by their own per-tensor scaler (scale, clip to +-max_val, round, dequantize). Backward (STE): the
-gradients are those of a linear layer evaluated at the quantized tensors, passed straight through the
-rounding and, with ``ste="identity"`` (the paper's), through the clipping as well; with ``ste="clipped"``
-elements that saturated get zero gradient. Optionally the output gradient is fake-quantized too (own
-scaler, stochastic rounding).
+``x @ W.T (+ b)`` with the input and the weight each fake-quantized by its own per-tensor scaler; the backward is
+the straight-through estimator (``ste="identity"``, the paper's, or ``"clipped"``: no gradient where an element
+saturated). :class:`QuantizedMatmul`, the base of :class:`~qat_app.hif8.linear.HiF8Linear` and
+:class:`~qat_app.hif8.experts.QuantizedProjection`, owns the scalers (:data:`SCALER_NAMES`, the checkpoint's
+keys), the switches (extra state: a checkpoint restores the warmup phase), the weight operand (quantized once per
+optimizer step) and the :class:`Plan` handed to :class:`QuantizedMatmulFunction`. Contract: amax is observed only
+in training mode, quantized or not, so evaluation never moves a history; saved 8-bit inputs decode exactly.
 
-:class:`QuantizedMatmul` is the base of :class:`~qat_app.hif8.linear.HiF8Linear` (the weight is its own
-parameter) and :class:`~qat_app.hif8.experts.QuantizedProjection` (the weight is one expert's slice of a
-fused parameter). It owns, once for both:
-
-- the quantization state (:meth:`~QuantizedMatmul.init_quantization`): recipe, runtime options, format,
-  the scalers under :data:`SCALER_NAMES` (their names are the checkpoint's state keys), the switches
-  (saved as the module's extra state, so a checkpoint restores the warmup phase), the weight-code cache;
-- the weight operand (:meth:`~QuantizedMatmul.quantized_weight`), quantized once per optimizer step;
-- the plan (:meth:`~QuantizedMatmul.plan`): the frozen :class:`Plan` of scalers and switches the autograd
-  function :class:`QuantizedMatmulFunction` gets instead of the module;
-- the exported-weight hook (:meth:`~QuantizedMatmul.mark_exported`): the 8-bit export's reader marks a
-  weight that already holds ``decode(codes) / scale``; in eval mode, while it is unchanged, it is used as it is.
-
-Observers record amax whether or not quantization is switched on (the BF16 warmup relies on that), but
-only in training mode, so evaluation never moves a history. With ``save_8bit_activations`` the quantized
-input is kept for backward as uint8 codes plus the scale; decoding reproduces it exactly.
-
-Every quantized forward also counts what the other amax estimators would have clipped (:mod:`.health`);
-while ``measure_health`` is on (:func:`set_health_measurement`, on logging steps), it also measures the
-numeric health of the input, the weight and the (quantized) output gradient. Both are device ops only.
+See ``docs/gemm.md`` for the product and its backward.
 """
 
 from __future__ import annotations

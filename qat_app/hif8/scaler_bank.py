@@ -1,26 +1,14 @@
-"""Stacked scaler state: the buffers of many :class:`AmaxScaler` as rows of three tensors, and the
-per-optimizer-step protocol (sync, advance or discard, seed) as a few batched ops on them.
+"""Stacked scaler state: the buffers of many :class:`~qat_app.hif8.scaling.AmaxScaler` as rows of a few tensors, and
+the per-optimizer-step protocol (sync, advance or discard, seed) as a few batched ops on them.
 
-A model has one scaler per quantized tensor (126 for the paper's openPangu, thousands with MoE
-experts). Advancing them one by one costs ~50 tiny tensor ops each; here every scaler's 0-d buffers are
-*views* into one float32 ``[10, n]`` and one int64 ``[9, n]`` matrix and its history a row of an
-``[n, H]`` matrix, so one step is ~110 aten calls (views and indexing included; ~73 before the what-if state)
-whatever ``n`` (TransformerEngine's one fused amax/scale update, torchao's stacked delayed-scaling histories).
+Each scaler's buffers are views into the bank's tensors, so the forward observes into them as before and
+``state_dict`` and checkpoints keep the per-layer layout. Contract: this is the one implementation of the update;
+:meth:`~qat_app.hif8.scaling.AmaxScaler.advance`, ``seed_history`` and ``discard_step`` run it on a bank of one,
+so a scaler advanced alone and one advanced with the whole model get the same bits. A step costs the same few ops
+whatever the number of scalers. ``model.to(...)`` replaces the buffers; the next batched call notices and stacks
+again. At each step boundary the bank also closes the what-if counts and computes the delayed estimators' scales.
 
-Nothing changes for the rest of the code: each scaler still *has* its buffers (views), so the forward
-observes into them as before, and ``state_dict`` and checkpoints keep the per-layer layout (older checkpoints
-load unchanged, into the views). This is the one implementation of the update: :meth:`AmaxScaler.advance`,
-``seed_history`` and ``discard_step`` run it on a bank of one, so a scaler advanced alone and one advanced with
-the whole model get the same bits (tests/_reference_scaler.py is the readable per-scaler definition both are
-tested against). The bank only exists while the views do: ``model.to(...)`` replaces buffers, and the next
-batched call notices (a cheap identity check) and stacks again.
-
-What-if state (:mod:`.health`): each scaler's per-estimator vectors (counts, and the scales of the delayed
-estimators) are rows of ``[k, n, A]`` matrices the same way; at each step boundary the bank closes their
-counts and computes, from the state after the push, the scale every delayed estimator would use next
-(``smoothed_a_hat`` is exp_smooth's estimate with the recipe's alpha, kept whatever the scaler's own
-algorithm). The health vectors are not buffers: a logging step's vector moves from ``health_step`` to
-``health_last`` at the step boundary (a reference move, no tensor op) and is dropped by the next one.
+See ``docs/core.md`` for the per-step protocol.
 """
 
 from __future__ import annotations

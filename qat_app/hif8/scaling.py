@@ -1,37 +1,14 @@
-"""Delayed tensor scaling: a per-tensor amax history and the a_hat estimators of the paper.
+"""Delayed tensor scaling: a per-tensor amax history and the a_hat estimators of the paper (:class:`AmaxScaler`).
 
-A scaler sees every forward of its tensor (``observe``: running max of amax over the micro-batches
-of one optimizer step, saturation counters) and is advanced once per *optimizer step*
-(``advance``), so ``history_len`` counts optimizer steps whatever the gradient accumulation.
-All state is in registered buffers, so checkpoints carry it; nothing here syncs with the host.
+``observe`` sees every forward of the tensor and ``advance`` runs once per optimizer step, so ``history_len``
+counts optimizer steps whatever the gradient accumulation. ``a_hat(t)`` comes from earlier steps: ``most_recent``
+``amax(t-1)``, ``exp_smooth`` ``alpha * amax(t-1) + (1 - alpha) * a_hat(t-1)``, ``max`` the largest of the last
+H; ``current`` (CTS) uses each forward's own amax. The scale is ``max_val / a_hat / 2^margin``. Contract: the state
+(history, scales, counters, what-if state) lives in buffers, so a checkpoint resumes exactly; nothing syncs with
+the host; a NaN/inf amax never enters the history and a zero/NaN/inf a_hat never becomes a scale (the previous
+one is kept); with no history yet, a delayed scaler uses current scaling.
 
-a_hat(t), the estimate used by step t, from the amax observed in earlier steps:
-    most_recent  amax(t-1)
-    exp_smooth   alpha * amax(t-1) + (1 - alpha) * a_hat(t-1)      (a_hat(1) = amax(0))
-    max          max(amax(t-1), ..., amax(t-H))
-    current      CTS: each forward uses its own amax (the history is kept for logging)
-
-Scale: s = max_val / a_hat / 2^margin. A zero, NaN or inf a_hat never yields a scale: the previous
-scale is kept (1.0 before any valid observation), as TransformerEngine does. A step whose amax is
-NaN/inf, or in which the tensor was not seen, is not pushed into the history.
-Before the first recorded step a delayed scaler has no estimate, so it falls back to current
-scaling (the BF16 warmup normally fills the history first); it keeps doing so until a step with a
-valid amax is recorded (a step in which the tensor was not seen records nothing).
-
-Telemetry, counted only for quantized forwards (the BF16 warmup observes amax but clips nothing):
-clipped elements (the clamp changed the quantized value, see :mod:`qat_app.fake_quant`), quantized
-elements, saturation events (steps with >= 1 clipped element on any data-parallel rank), quantized
-steps, and the *headroom* a_hat / amax of each quantized step (< 1: the estimate was below the true
-max; clipping needs a headroom below max_val / saturation_threshold, about 0.968 for HiF8 at 15) with
-its minimum over the run.
-
-What-if and health (:mod:`.health`): on every quantized step with a history, :meth:`AmaxScaler.measure` also
-counts the elements each estimator (most_recent, exp_smooth, max, current) would have clipped on the same
-tensor with the same history (per step, run totals, and what-if saturation events, across ranks like the
-real ones); the scales of the delayed estimators and exp_smooth's estimate (``smoothed_a_hat``, with the
-recipe's alpha, whatever the scaler's own algorithm) are buffers, so a resume stays exact. On logging steps
-it measures the tensor's numeric health into ``health_step`` (a plain tensor, not a buffer: per step only),
-which becomes ``health_last`` at the step boundary.
+See ``docs/glossary.md`` for the estimators and ``docs/diagnostics/saturation.md`` for the counters and headroom.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """The paper's recipe from any training loop: convert, then one call per optimizer step.
 
-    from qat_app.hif8 import convert_to_hif8_training, end_warmup, start_warmup, sync_and_advance
+After :func:`~qat_app.hif8.patch.convert_to_hif8_training`, :func:`start_warmup` observes amax and quantizes
+nothing, and :func:`end_warmup` seeds the histories and switches W8A8 on. :func:`sync_and_advance` is the whole
+per-step protocol. Contract: call it after the last backward of the step (all micro-batches) and before
+``optimizer.step()``. Under data parallelism one MAX all-reduce gives every rank the step's amax and the
+non-finite flag, so all ranks decide alike; then every scaler advances in one batched update (:mod:`.scaler_bank`)
+and the cached weight codes are released. For a non-finite step it returns True (skip the optimizer step) and
+discards the step's observations, so no NaN reaches a history. One host sync per call, none per forward.
 
-    convert_to_hif8_training(model)                # the paper's layout and recipe (max window, H=64)
-    start_warmup(model)                            # BF16 warmup: observe amax, quantize nothing
-    for step, batch in enumerate(loader):
-        if step == warmup_steps:
-            end_warmup(model)                      # seed the histories, switch W8A8 on
-        loss = model(**batch).loss
-        loss.backward()
-        if sync_and_advance(model, nonfinite=~torch.isfinite(loss)):
-            optimizer.zero_grad()                  # a NaN/inf step (on any rank): skip it
-            continue
-        optimizer.step()
-        optimizer.zero_grad()
-
-``sync_and_advance`` is the whole per-step protocol (torchao's ``sync_float8_amax_and_scale_history``
-plus the skip decision): under data parallelism one MAX all-reduce gives every rank the step's amax
-(and the non-finite flag, so all ranks skip alike); then every scaler is advanced in one batched update
-(:mod:`.scaler_bank`) and the cached weight codes are released before the optimizer changes the weights;
-or, for a skipped step, the step's observations are discarded so no NaN reaches a history. It must run
-after the last backward of the step (all micro-batches) and before ``optimizer.step()``. One host sync
-per call (the skip decision); none per forward.
+See ``docs/core.md`` for the loop.
 """
 
 from __future__ import annotations

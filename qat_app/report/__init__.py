@@ -1,49 +1,14 @@
-"""The paper's results table and figures from your own runs' logs (nothing is re-run).
+"""The paper's results table and figures from your own runs' logs (nothing is re-run): ``python main.py report``.
 
-    python main.py report --baseline runs/bf16_baseline --qat runs/exp8 [runs/exp7 ...] [--initial DIR] \\
-        [--labels BASE exp8 exp7] [--out reports/exp8] [--layers layers.10.mlp.down_proj ...] [--force]
-    python -m qat_app.report ...            (the same)
+Per benchmark metric it compares the initial model, the baseline and each QAT run (forgetting, quantization,
+total) over the examples both evaluated, with paired 95 % intervals and a verdict; then the continuous measures,
+the what-if and numeric-health tables. It writes results.md, results.csv, results.json and the figures to
+``--out``. Contract: a QAT run whose config differs from the baseline's in what changes the numbers (quantization
+aside), or whose last train step differs, is refused with :class:`ReportError` (``--force``: a warning, also in
+results.md); runs that evaluated a task on disjoint examples are refused. :func:`build_report` builds it,
+:func:`main` is the command line.
 
-A run DIR holds a Lightning ``CSVLogger`` output: a version directory (``runs/x/logs/version_0``),
-the logger directory or the run root. All ``metrics.csv`` of one run (a resumed fit, a separate
-``main.py test``) are merged, later versions winning on a step logged twice; ``saturation_summary.json``,
-``config.yaml`` and ``quantized_modules.json`` (what the fit quantized: its count and high-precision blocks are
-shown per QAT run; older runs have none) come from the latest version that has one, per-example records
-(``benchmark_samples/<val|test>_step<NNNNNNN>.jsonl``) from every version (later wins).
-
-Three models per benchmark metric (``<split>/<task>/acc|acc_norm``, MMLU subjects and categories;
-``count`` is not a metric): the *initial* model (the baseline's step-0 validation, or ``--initial
-DIR``'s last records, e.g. a ``main.py validate`` run), the *baseline* and each *QAT* run at their
-last evaluation; compared as forgetting (initial -> baseline), quantization (baseline -> QAT) and
-total (initial -> QAT). Each difference (after - before, over the examples both evaluated, matched by
-(task, subject, doc_id)) gets a paired bootstrap 95% interval (:mod:`qat_app.stats`), McNemar's
-exact p and a verdict (``worse`` / ``within noise`` / ``better``: the interval below, around or above 0).
-Relative drop % = (before - after) / before * 100. Training-loss APE = mean over common logged steps of
-|loss_qat - loss_base| / loss_base * 100.
-
-Next to them, per task, the continuous measures of :mod:`qat_app.eval.measures` (p_gold, p_gold_norm,
-gold_loglik_per_byte, brier, the choice-distribution KL and the answer flips both ways) in the same three
-comparisons: paired mean difference, normal 95% interval with a standard error clustered by the task's records
-(MMLU subject, HellaSwag source_id, ARC none; CR1), z, verdict (:mod:`.measures_table`). Runs that evaluated a task
-on disjoint examples are refused.
-
-Before comparing, each QAT run's config.yaml is checked against the baseline's: only quantization
-(``model.quant.*``, ``warmup.*``, ``saturation.*``) and bookkeeping paths may differ, and the last
-logged train step must match; otherwise :class:`ReportError` (``--force``: a warning, also in results.md).
-
-Written to ``--out``: results.md, results.csv (one row per run, metric, comparison), results.json
-(everything), loss_curves.png, amax_vs_ahat.png, saturation_heatmap.png (the warmup -> quantization switch is
-drawn on every step axis), and from what the saturation callback logged (:mod:`.health`, :mod:`.health_figures`):
-whatif_clipped.png (cumulative clipped elements each amax estimator would have clipped, to first order),
-sqnr_heatmap.png (SQNR per tensor and logged step), precision_tiers.png (tier fractions per tensor kind); their
-tables (what-if totals per estimator next to the real counter; the run's min SQNR, underflow and outlier factor, the
-worst tensors by SQNR) close results.md. Runs made before these were logged say "not recorded".
-
-Modules: :mod:`.runs` (reading a run: metrics, summary, config, records), :mod:`.compare` (evaluations,
-comparisons, checks, arithmetic), :mod:`.measures_table` (the continuous measures' comparisons and table),
-:mod:`.tables` (markdown / csv / json), :mod:`.figures`, :mod:`.health` (what-if and health: reading, tables),
-:mod:`.health_figures`, :mod:`.build`
-(:func:`build_report`), :mod:`.cli` (:func:`main`).
+See ``docs/reports.md`` for the comparisons, the checks and the figures.
 """
 
 from .runs import (CONFIG_FILE, METRICS_FILE, PRECISION_NAMES, SAMPLES_DIR, SUMMARY_FILE, ReportError, Run,

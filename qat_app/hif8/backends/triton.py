@@ -1,30 +1,12 @@
-"""Single-pass Triton kernel for delayed-scaling HiF8 fake quantization.
+"""Single-pass Triton kernel for delayed-scaling HiF8 fake quantization (:class:`TritonBackend`).
 
-Same contract and the same numbers, bit for bit, as the plain-torch reference
-``backends.reference.fake_quantize`` for ``fmt="hif8"``: one read of ``x``, one write of the
-dequantized tensor (and one uint8 write of the codes when asked), with the amax and the clipped count
-reduced per program and combined across programs with one atomic each. Two launches in all: the
-memset of the 16-byte accumulator and the kernel.
+Contract: the same numbers, bit for bit, as the plain-torch reference ``backends.reference.fake_quantize`` for
+``fmt="hif8"`` (one NaN anywhere gives a NaN amax, like ``torch.amax``), in one read of ``x`` and one write of the
+dequantized tensor (plus one uint8 write of the codes when asked). How each step is made cheap and still exact
+is described in ``_triton_kernel.py``. Triton is imported lazily and the kernel built on first use, so
+``TRITON_INTERPRET=1`` set before the first call runs it on CPU tensors.
 
-Per element, on float32: ``scaled = x * scale`` -> clamp to +-max_val (NaN stays NaN) -> HiF8
-round (``formats.hif8_round_f32``: to nearest, ties away; stochastic when ``noise`` is given) ->
-``q / scale`` correctly rounded like torch's IEEE division -> cast to the input dtype (round to
-nearest even). How each step is made cheap and still exact is described in ``_triton_kernel.py``
-(the kernel is compute-bound if written like the reference): a 512-row table turns the rounding into
-``(bits + half) & mask``, a 4096-entry table gives the codes, and the division is a reciprocal plus
-one Markstein FMA correction (exact; Triton's ``/`` and ``tl.fdiv(..., ieee_rounding=True)`` lower
-to the approximate ``div.full.f32`` on NVIDIA and differ from torch in ~28% of cases).
-
-H200, 64M elements, device time (profiler): bf16 1.25x a clone() (80 vs 64 us), fp32 1.05x
-(133 vs 127 us); with codes 1.7x / 1.24x. Host overhead is ~50 us per call (mostly triton's
-launcher), hidden when the GPU is busy, visible in a benchmark that synchronises every call.
-
-amax: ``max |x|`` is taken on the int32 patterns with the sign bit cleared. For non-negative floats
-the integer order is the float order, and every NaN pattern (> 0x7F800000) is above +inf, so one
-NaN anywhere gives a NaN amax, like ``torch.amax``.
-
-Triton is imported lazily (importing this module never imports it), and the kernel is built on
-first use, so ``TRITON_INTERPRET=1`` set before the first call runs it on CPU tensors (tests).
+See ``docs/gpu-validation.md`` ("Exact on CUDA") for exactness and ``docs/performance.md`` for its speed.
 """
 
 from __future__ import annotations
