@@ -113,7 +113,7 @@ def _find_value(obj: Any, key: str, depth: int = 0):
 
 def resume_setting_changes(ckpt: dict, module, datamodule=None, trainer=None, warmup=None):
     """-> (refused, allowed): ``"setting: saved -> now"`` lines for the settings given now that differ from
-    the checkpoint's (see the module docstring for which a resume may change). ``warmup``: the run's
+    the checkpoint's (docs/runs.md says which a resume may change). ``warmup``: the run's
     BF16WarmupCallback (its saved state, under its state key, holds the warmup length)."""
     refused, allowed = [], []
     for line in hparam_differences(ckpt.get("hyper_parameters"), getattr(module, "hparams", None)):

@@ -73,7 +73,7 @@ def steps_to_clip(values: list[float], h_clip: float, sigmas: float = 0.0,
 
 
 class SaturationForecast:
-    """The forecast of a run's tensors (the module docstring). ``window``: the scalers' history length (the unit of
+    """The forecast of a run's tensors (docs/diagnostics/saturation.md). ``window``: the scalers' history length (the unit of
     the reported slope and the default ``horizon``)."""
 
     def __init__(self, window: int, horizon: int | None = None, points: int | None = None,

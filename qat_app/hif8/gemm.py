@@ -13,8 +13,6 @@ See ``docs/gemm.md`` for the modes and how each step of the product is done.
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import logging
 from dataclasses import dataclass, replace
 

@@ -161,7 +161,7 @@ def estimate_headroom(health: torch.Tensor, a_hat: torch.Tensor, amax: torch.Ten
                       margin: float = 0.0, power_2: bool = False) -> HeadroomEstimate:
     """The what-if headroom of tensors from their summed health vectors ``health`` [m, HEALTH_LEN] (:mod:`.health`),
     the ``a_hat`` [m] they were quantized with and their ``amax`` [m] (which bounds the top occupied bin: its largest
-    element is known exactly), at each ``max_val`` of ``max_vals`` (the module docstring)."""
+    element is known exactly), at each ``max_val`` of ``max_vals`` (docs/diagnostics/saturation.md)."""
     health = health.double().reshape(-1, health.shape[-1])
     m = health.shape[0]
     max_vals = tuple(float(v) for v in max_vals)

@@ -74,7 +74,7 @@ def bin_lower_edge(bins: torch.Tensor) -> torch.Tensor:
 def measure_health(x: torch.Tensor, scale: torch.Tensor, max_val: float, fmt: Float8Format,
                    noise: torch.Tensor | None = None, fused: str = "off", grid: torch.Tensor | None = None
                    ) -> torch.Tensor:
-    """The float64 health vector (:data:`HEALTH_LEN`, layout in the module docstring) of one quantization of
+    """The float64 health vector (:data:`HEALTH_LEN`, layout: :data:`FIELDS`, :data:`TIERS`, then the histogram) of one quantization of
     ``x`` with ``scale``; ``noise``: the stochastic-rounding bits it used; ``grid``: its grid values ``q`` when the
     quantization wrote them (they are not rounded again). The error is against ``q / scale`` in ``x``'s dtype, bit
     for bit the fake quantization's output (the value the matmul's product stands for).

@@ -91,7 +91,7 @@ class _Switch:
 
 
 class QuantizedMatmul(nn.Module):
-    """The quantization state and behaviour of one W8A8 matmul (see the module docstring).
+    """The quantization state and behaviour of one W8A8 matmul (docs/gemm.md).
 
     A subclass calls :meth:`init_quantization` in its constructor and :meth:`quantized_matmul` in its
     forward; it defines no ``__init__`` here, so it combines with ``nn.Linear`` (``HiF8Linear``).
