@@ -182,22 +182,24 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.float32, False), (torch.bfloat16, False),
+                                                 (torch.bfloat16, True)])
 @pytest.mark.parametrize("tail", FP8_TAILS)
 @pytest.mark.parametrize("scales", [(2.7, 41.3), (0.37, 15 / 7.3), (15 / 3.1, 15 / 0.093)])
-def test_fp8_applies_the_emulated_decode_factor_once(tail, scales, out_dtype, device):
+def test_fp8_applies_the_emulated_decode_factor_once(tail, scales, out_dtype, with_bias, device):
     """Where the accumulation is exact, fp8 and emulated agree bit for bit: one factor 1 / (s_a s_b) rounded once
     (the two decode scales rounded apart, as _scaled_mm's two scale arguments invite, differ for such scales).
     On CUDA with the tail dropped the factor rides in _scaled_mm's own epilogue, with a bf16 output."""
     if device == "cuda" and not fp8_available("cuda")[0]:
         pytest.skip("no FP8 tensor cores")
     a, b = coarse_grid_operand((48, 64), scales[0], seed=1), coarse_grid_operand((40, 64), scales[1], seed=2).t()
-    emulated = scaled_mm(a, b, out_dtype)
+    bias = torch.arange(40, dtype=torch.float32) / 8 - 2.5 if with_bias else None  # added after the factor
+    emulated = scaled_mm(a, b, out_dtype, bias=bias)
     a, b = (Operand(op.values.to(device), op.scale.to(device)) for op in (a, b))
-    fp8 = scaled_mm(a, b, out_dtype, fp8_tail=tail).cpu()
+    fp8 = scaled_mm(a, b, out_dtype, bias=None if bias is None else bias.to(device), fp8_tail=tail).cpu()
     assert fp8.dtype == out_dtype
     assert torch.equal(fp8, emulated), f"{int((fp8 != emulated).sum())} of {fp8.numel()} differ"
-    if out_dtype != torch.float32:
+    if out_dtype != torch.float32 or with_bias:
         return
     accumulator = a.values @ b.values  # exact here
     apart = accumulator * (1 / (a.scale.double() * 16)).float() * (1 / (b.scale.double() * 16)).float() * 256

@@ -133,7 +133,7 @@ def _gather(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_mm(parts_a: list[tuple[torch.Tensor, float]], rows: int, parts_b: list[tuple[torch.Tensor, float]], cols: int,
-           decode: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+           decode: torch.Tensor, out_dtype: torch.dtype, *, decode_in_gemm: bool = True) -> tuple[torch.Tensor, bool]:
     """``(a @ b_t.T) x decode`` in ``out_dtype`` from the E4M3 parts of ``a`` ``[M, K]`` and ``b_t`` ``[N, K]``
     (:func:`e4m3_parts`; ``rows``, ``cols``: M and N before padding); ``decode`` is the emulated GEMM's one float32
     factor ``1 / (s_a s_b)``, rounded once: the emulated product up to the accumulation order.
@@ -143,10 +143,10 @@ def fp8_mm(parts_a: list[tuple[torch.Tensor, float]], rows: int, parts_b: list[t
     then to ``out_dtype``, with no pass over an fp32 result. Elsewhere (the CPU's ``_scaled_mm`` applies its
     scales to the operands, so a factor there would round each element) and with a tail, ``_scaled_mm``'s scales
     only take the shifts off, so each part is in grid units; the factor then multiplies their fp32 sum in the
-    epilogue pass of :func:`.gemm.apply_decode`. Returns fp32 (the caller applies the factor) or ``out_dtype``
-    (applied): the second value says which."""
+    epilogue pass of :func:`.gemm.apply_decode` (also with ``decode_in_gemm`` False: a bias follows the factor).
+    Returns (fp32, False): the caller applies the factor, or (``out_dtype``, True): applied."""
     one = torch.ones((), dtype=torch.float32, device=decode.device)
-    if len(parts_a) == 1 and len(parts_b) == 1 and parts_a[0][0].is_cuda:
+    if decode_in_gemm and len(parts_a) == 1 and len(parts_b) == 1 and parts_a[0][0].is_cuda:
         (a8, shift_a), (b8, shift_b) = parts_a[0], parts_b[0]
         out = torch._scaled_mm(a8, b8.t(), scale_a=decode.reshape(()).float() * (1.0 / shift_a),
                                scale_b=one * (1.0 / shift_b), out_dtype=out_dtype)

@@ -208,7 +208,7 @@ def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, *, bias: torch.Ten
         decode = decode_factor(a.scale, b.scale)
     if fp8_tail is not None and a.quantized and b.quantized:
         out, decoded = fp8_mm(a.e4m3(fp8_tail), a.values.shape[0], b.t().e4m3(fp8_tail), b.values.shape[1], decode,
-                              out_dtype if bias is None else torch.float32)
+                              out_dtype, decode_in_gemm=bias is None)
         return out if decoded else apply_decode(out, decode, out_dtype, bias)
     return apply_decode(_fp32_accumulate(a.values, b.values), decode, out_dtype, bias)
 
