@@ -240,3 +240,21 @@ def test_tensorboard_shows_a_short_runs_dashboard_as_a_person_reads_it(tensorboa
         return [e[1] for e in _get(f"{url}data/plugin/scalars/scalars?run={name}&tag={tag}")]
 
     assert steps_of("noise_floor/kl") == steps_of("forget/kl")[-1:]
+
+
+def test_the_layout_leaves_out_the_charts_of_features_a_run_has_off():
+    from callbacks import AmaxSaturationCallback
+    from callbacks.fallback import FallbackCallback
+
+    def trainer(*callbacks):
+        return SimpleNamespace(callbacks=list(callbacks), datamodule=None)
+
+    full = layout_for(trainer(AmaxSaturationCallback(), FallbackCallback(enabled=True), MemoryMonitor()))
+    assert {"saturation", "numeric health", "what-if headroom (max_val)", "memory", PER_TENSOR} <= set(full)
+    assert "tensors fallen back (automatic fallback)" in full["saturation"]
+    assert "forgetting" not in full  # no benchmarks, no noise floor: nothing to show
+    off = layout_for(trainer(AmaxSaturationCallback(health=False, forecast=False, per_layer=False),
+                             FallbackCallback(enabled=False), MemoryMonitor(enabled=False)))
+    assert set(off) == {"saturation", "what-if estimators", "training"}
+    assert "tensors fallen back (automatic fallback)" not in off["saturation"]
+    assert set(layout_for(trainer())) == {"training"}  # no saturation callback: only the training charts
