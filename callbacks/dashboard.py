@@ -107,19 +107,24 @@ LAYOUT = {
 }
 
 
-def _enabled(trainer, kind, flag: str = "enabled") -> bool:
-    """Whether a callback of type ``kind`` is in the trainer with ``flag`` set."""
-    return any(isinstance(c, kind) and getattr(c, flag, False) for c in trainer.callbacks)
+def _callback(trainer, kind):
+    """The trainer's callback of type ``kind``, or None."""
+    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
+
+
+def _enabled(trainer, kind) -> bool:
+    """Whether a callback of type ``kind`` is in the trainer, switched on."""
+    return bool(getattr(_callback(trainer, kind), "enabled", False))
 
 
 def _shown(trainer) -> dict[tuple[str, str | None], bool]:
     """(category, chart or None for the whole category) -> whether the run logs anything it shows."""
-    saturation = next((c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)), None)
+    saturation = _callback(trainer, AmaxSaturationCallback)
     health = saturation is not None and saturation.health
     per_layer = saturation is not None and saturation.per_layer
     forecast = saturation is not None and saturation.forecast_on
     benchmarks = bool(benchmark_tasks(trainer.datamodule)) if getattr(trainer, "datamodule", None) else False
-    forgetting = any(isinstance(c, ForgettingMonitor) and c.enabled is not False for c in trainer.callbacks)
+    forgetting = getattr(_callback(trainer, ForgettingMonitor), "enabled", False) is not False
     noise_floor = _enabled(trainer, NoiseFloorCallback)
     return {
         ("saturation", None): saturation is not None,
@@ -130,7 +135,7 @@ def _shown(trainer) -> dict[tuple[str, str | None], bool]:
         ("what-if estimators", None): saturation is not None,
         ("training", "spike alarms (robust z)"): _enabled(trainer, SpikeAlarm),
         ("training", "alarm events, non-finite steps"): _enabled(trainer, SpikeAlarm),
-        ("training", "throughput"): any(isinstance(c, TokenThroughputMonitor) for c in trainer.callbacks),
+        ("training", "throughput"): _callback(trainer, TokenThroughputMonitor) is not None,
         ("forgetting", None): forgetting and (benchmarks or noise_floor),
         ("memory", None): _enabled(trainer, MemoryMonitor),
         (PER_TENSOR, None): per_layer,
@@ -160,7 +165,7 @@ def layout_for(trainer) -> dict:
 
 def benchmark_charts(trainer) -> dict:
     """One chart per benchmark task and monitored measure: its difference to the initial model with its interval."""
-    monitor = next((c for c in trainer.callbacks if isinstance(c, ForgettingMonitor)), None)
+    monitor = _callback(trainer, ForgettingMonitor)
     datamodule = getattr(trainer, "datamodule", None)
     if monitor is None or datamodule is None:
         return {}
@@ -198,7 +203,7 @@ class TensorBoardDashboard(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if not self.enabled or not trainer.is_global_zero:
             return
-        saturation = next((c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)), None)
+        saturation = _callback(trainer, AmaxSaturationCallback)
         logged = getattr(saturation, "last_logged", None)
         if not logged or logged["step"] <= self._drawn_step or not self._writers(trainer):
             return

@@ -14,13 +14,15 @@ See ``docs/gemm.md`` for the modes and how each step of the product is done.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from .errors import FieldError
-from .kernel_count import one_kernel
+from .kernel_count import counted_call
 from .fp8_gemm import FP8_TAILS, TAIL_DROP, e4m3_parts, e4m3_parts_of_codes, fp8_available, fp8_mm
 
 log = logging.getLogger(__name__)
@@ -120,9 +122,6 @@ def _auto_gemm(device: torch.device) -> str:
 def time_gemms(device: torch.device, shape: tuple[int, int, int], repeats: int = 10) -> dict[str, float]:
     """Seconds of one ``[M, K] x [K, N]`` quantized GEMM with a bf16 output, emulated and on FP8 tensor cores (the
     median of ``repeats`` after a warm-up; host syncs, once, at the first forward)."""
-    import statistics
-    import time
-
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     ops = [Operand(torch.randn(rows, k, generator=gen, device=device).clamp(-15, 15).to(torch.bfloat16),
@@ -165,19 +164,18 @@ def decode_factors(x_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor
     return torch.cat([both.prod().reshape(1), both]).reciprocal().float()
 
 
+def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # widening a grid value (or a bf16 / fp16 value) to fp32 is exact
+
+
 def _fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` (2-D) with an fp32 accumulator and an fp32 result; exact products of grid values. Counted as one
     GEMM (:mod:`.kernel_count`): the CPU's widening of 16-bit operands is the CUDA GEMM's own load."""
-    with one_kernel("mm", (a, b)) as region:
-        if a.dtype == torch.float32 and b.dtype == torch.float32:
-            out = a @ b
-        elif a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
-            out = torch.mm(a, b, out_dtype=torch.float32)
-        else:
-            out = a.float() @ b.float()  # widening a grid value (or a bf16 / fp16 value) to fp32 is exact
-        if region is not None:
-            region.outputs = out
-    return out
+    return counted_call("mm", _fp32_product, a, b)
 
 
 def apply_decode(accumulator: torch.Tensor, decode: torch.Tensor, out_dtype: torch.dtype,
@@ -185,15 +183,12 @@ def apply_decode(accumulator: torch.Tensor, decode: torch.Tensor, out_dtype: tor
     """The epilogue over an fp32 accumulator: ``acc x decode (+ bias)``, each op rounded to fp32 as the contract says,
     the last one writing ``out_dtype`` in the same pass (no pass of its own for the cast, none in fp32 for the
     factor when nothing follows it)."""
-    def written(op, *args):
-        if out_dtype == accumulator.dtype:
-            return getattr(accumulator, op + "_")(*args)
-        return getattr(torch, op)(accumulator, *args, out=torch.empty(accumulator.shape, dtype=out_dtype,
-                                                                       device=accumulator.device))
-    if bias is None:
-        return written("mul", decode)
-    accumulator.mul_(decode)
-    return written("add", bias)
+    last, operand = (torch.mul, decode) if bias is None else (torch.add, bias)
+    if bias is not None:
+        accumulator.mul_(decode)
+    out = accumulator if out_dtype == accumulator.dtype else torch.empty(accumulator.shape, dtype=out_dtype,
+                                                                         device=accumulator.device)
+    return last(accumulator, operand, out=out)
 
 
 def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,

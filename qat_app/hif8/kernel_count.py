@@ -2,14 +2,13 @@
 
 :class:`KernelCounter` is a ``TorchDispatchMode``: every aten op that computes (not a view, an allocation or a
 metadata query) counts as one kernel launch, with the bytes it reads (its tensor inputs) and writes (its
-outputs). A compiled function or a Triton kernel of the backends (:func:`one_kernel`) counts as one kernel with
+outputs). A compiled function or a Triton kernel of the backends (:func:`counted_call`) counts as one kernel with
 the bytes of its inputs and outputs, as the GPU runs it, not as the ops it is written in. Figures are a model of
 a GPU's work (one pass per kernel, no cache reuse), not a measurement: docs/performance.md says how to read them.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -95,31 +94,17 @@ class KernelCounter(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def one_kernel(name: str, inputs):
-    """Count what runs inside as one kernel named ``name`` reading ``inputs`` (the block's ``region.outputs``,
-    set before it ends, is what it writes); a no-op when no counter is active (one list check)."""
-    if not _active:
-        yield None
-        return
-    counter = _active[-1]
-    region = _Region()
-    counter._inside += 1
-    try:
-        yield region
-    finally:
-        counter._inside -= 1
-    counter.count.record(name, inputs, region.outputs)
-
-
-class _Region:
-    outputs = None
-
-
-def counted_call(name: str, fn, *args):
-    """``fn(*args)``, counted as one kernel when a counter is active."""
+def counted_call(name: str, fn, *args, reads=None):
+    """``fn(*args)``; while a counter is active, counted as one kernel named ``name`` that reads ``reads`` (default:
+    ``args``) and writes what ``fn`` returns, the ops inside not counted. Without a counter: the call alone (one
+    list check), so the hot path pays nothing."""
     if not _active:
         return fn(*args)
-    with one_kernel(name, args) as region:
-        region.outputs = out = fn(*args)
+    counter = _active[-1]
+    counter._inside += 1
+    try:
+        out = fn(*args)
+    finally:
+        counter._inside -= 1
+    counter.count.record(name, args if reads is None else reads, out)
     return out

@@ -20,7 +20,7 @@ import torch
 
 from ..formats import HIF8_OVERFLOW, saturation_threshold
 from . import reference
-from ..kernel_count import one_kernel
+from ..kernel_count import counted_call
 from .base import FakeQuantResult
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -130,7 +130,8 @@ def fake_quantize_triton(
     max_val32 = _as_f32(max_val)
     interpret = _interpret()
     noise = None if noise is None else noise.contiguous()
-    with one_kernel("hif8_fake_quant_kernel", (xc, noise, scale, whatif_scales)) as region:
+
+    def launch():
         _kernel(interpret)[(triton_cdiv(n, BLOCK),)](
             xc, out, codes, noise, scale, table, acc,
             whatif_scales.contiguous() if n_whatif else None, n, max_val32, saturation_threshold("hif8", max_val32),
@@ -138,8 +139,9 @@ def fake_quantize_triton(
             OVERFLOW=not max_val32 < HIF8_OVERFLOW, CORRECTIONS=CORRECTIONS, INTERPRET=interpret, GRID=grid,
             N_WHATIF=n_whatif, num_warps=NUM_WARPS,
         )
-        if region is not None:
-            region.outputs = (out, codes, acc)
+        return out, codes, acc
+
+    counted_call("hif8_fake_quant_kernel", launch, reads=(xc, noise, scale, whatif_scales))
     # amax: the float32 in the low word of acc[0]; clipped: acc[1] (0-d views of acc); what-if: acc[2:]
     amax, clipped, whatif = acc.view(torch.float32)[0], acc[1], acc[2:] if n_whatif else None
     if grid:
