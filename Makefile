@@ -2,7 +2,7 @@
 # `make test` (the whole test suite, slow tests included). Both install what they need first.
 PYTHON ?= python3
 
-.PHONY: install test-deps vllm-env serve-check quickstart test test-fast docs gpu-bundle
+.PHONY: install test-deps vllm-env serve-check quickstart test test-fast docs gpu-bundle gpu-rehearsal
 
 # the last step installs this checkout (editable: qat_app, callbacks and the hif8-qat command) without
 # touching the pinned requirements; setuptools comes with torch, so nothing is downloaded for the build
@@ -48,3 +48,10 @@ docs:
 # Python 3.12 of the packages its image lacks, the embedded tokenizer and a few MB of the corpus
 gpu-bundle: install
 	$(PYTHON) benchmarks/gpu_bundle.py --out .gpu_bundle
+
+# The GPU validation rehearsed on this CPU in the GPU image's Python 3.12 and packages (benchmarks/gpu_image.txt:
+# torch 2.11, transformers 5.17, ...): that environment is built once in ~/.cache/qat_app/gpu-image-py312 (or
+# $$QAT_APP_GPU_IMAGE_VENV), the bundle written as gpu-bundle does, then `gpu_validation.sh --cpu` with that python;
+# it fails unless every CPU stage passes. No Python 3.12 (python3.12 on PATH, pyenv's): one line says how to get one.
+gpu-rehearsal: install
+	$(PYTHON) benchmarks/gpu_rehearsal.py

@@ -8,8 +8,9 @@ needs no GPU, at tiny sizes; the others say they wait for one.
 
 Stages: bundle (install), environment (versions, imports), kernels (the backend and CUDA-exactness tests), fit
 (``benchmarks/gpu_fit_check.py``: bf16-mixed fits, killed and resumed), export (``benchmarks/gpu_export_check.py``
-on the resumed run), fsdp (``benchmarks/fsdp_fit.py``: FSDP2), step and step_fp8 (``benchmarks/step_overhead.py``:
-the QAT/BF16 step time and memory ratios, emulated and FP8), profile (the step profile), fp8_check.
+on the resumed run), fsdp and ddp (``benchmarks/fsdp_fit.py``: FSDP2 and DDP on every GPU with NCCL; 2 gloo
+processes in the CPU mode), export_fsdp (the FSDP2 run's sharded checkpoint exported and checked), step and step_fp8 (``benchmarks/step_overhead.py``: the QAT/BF16 step time and memory
+ratios, emulated and FP8), profile (the step profile), fp8_check.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Stage:
     limit_s: float
     figure: callable = None  # log text -> the table's figure
     needs_gpu: bool = False
+    needs_gpus: int = 0  # on a GPU machine, the GPUs it needs (fewer: it waits for a machine with them)
     after: str | None = None  # a stage whose success this one needs
     status: str = "not run"
     seconds: float = 0.0
@@ -73,16 +75,6 @@ def export_figure(text: str) -> str:
             if r else "no RESULT line")
 
 
-def json_figure(keys: tuple[str, ...]):
-    def figure(text: str) -> str:
-        lines = [line for line in text.splitlines() if line.startswith("{")]
-        if not lines:
-            return "no result line"
-        r = json.loads(lines[-1])
-        return ", ".join(f"{k} {r.get(k)}" for k in keys)
-    return figure
-
-
 def pattern_figure(*patterns: tuple[str, str]):
     def figure(text: str) -> str:
         found = [f"{label} {m.group(1)}" for label, pattern in patterns if (m := re.search(pattern, text))]
@@ -90,9 +82,28 @@ def pattern_figure(*patterns: tuple[str, str]):
     return figure
 
 
-def stages(gpu: bool, out: Path, assets: Path | None) -> list[Stage]:
+def multi_device_figure(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.startswith("{")]
+    if not lines:
+        return "no result line"
+    r = json.loads(lines[-1])
+    peak = f", peak {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") is not None else ""
+    return (f"{r.get('world_size')} processes ({r.get('backend')}), scalers "
+            f"{'equal on every rank' if r.get('scalers_equal') else 'DIFFERENT across ranks'}, "
+            f"{r.get('seconds_per_step')} s/step{peak}, final loss {r.get('final_loss')}"
+            f"{', sharded checkpoint' if r.get('sharded_checkpoint') else ''}")
+
+
+def stages(gpu: bool, out: Path, assets: Path | None, gpus: int = 0) -> list[Stage]:
+    """The stages; ``gpus``: the GPUs the machine has (the DDP and FSDP2 fits train on all of them; in the CPU mode
+    on 2 gloo processes)."""
     py = sys.executable
     device = "cuda" if gpu else "cpu"
+    # every GPU of the machine (NCCL), or 2 processes in the CPU mode (gloo)
+    spread = str(max(1, gpus)) if gpu else "2"
+    multi = [py, "benchmarks/fsdp_fit.py", "--device", device, "--devices", spread, "--steps", "8" if gpu else "4",
+             *(["--assets", str(assets)] if assets else []),
+             *([] if gpu else ["--tiny", "--seq-len", "64", "--micro-batch", "2"])]
     asset_flag = ["--assets", str(assets)] if assets else []
     kernel_tests = (["tests/test_backends.py", "tests/test_cuda_exact.py", "tests/test_gemm.py", "tests/test_health.py",
                      "tests/test_whatif.py", "tests/test_saturation.py", "tests/test_linear.py"] if gpu
@@ -110,9 +121,13 @@ def stages(gpu: bool, out: Path, assets: Path | None) -> list[Stage]:
                       "--out", str(out / "fit"), *fit_size], 200 if gpu else 420, fit_figure),
         Stage("export", [py, "benchmarks/gpu_export_check.py", "--ckpt_path", str(out / "fit" / "c" / "checkpoints" / "last.ckpt"),
                          "--device", device, "--out", str(out / "export")], 60 if gpu else 120, export_figure, after="fit"),
-        Stage("fsdp", [py, "benchmarks/fsdp_fit.py", "--device", device, "--steps", "8" if gpu else "4", *asset_flag,
-                       "--out", str(out / "fsdp"), *([] if gpu else ["--tiny", "--seq-len", "64", "--micro-batch", "2"])],
-              60 if gpu else 300, json_figure(("seconds_per_step", "peak_memory_gib", "final_loss", "sharded_checkpoint"))),
+        Stage("fsdp", [*multi, "--strategy", "fsdp2", "--out", str(out / "fsdp")], 90 if gpu else 300,
+              multi_device_figure),
+        Stage("export_fsdp", [py, "benchmarks/gpu_export_check.py", "--ckpt_path",
+                              str(out / "fsdp" / "run" / "checkpoints" / "last.ckpt"), "--device", device,
+                              "--out", str(out / "export_fsdp")], 60 if gpu else 120, export_figure, after="fsdp"),
+        Stage("ddp", [*multi, "--strategy", "ddp", "--out", str(out / "ddp")], 90 if gpu else 240,
+              multi_device_figure, needs_gpus=2),
         Stage("step", step, 50, pattern_figure(("QAT/BF16", ratio), ("memory", memory), ("health", r"health costs ([+-][\d.]+)")),
               needs_gpu=True),
         Stage("step_fp8", [*step, "--gemm", "fp8"], 40, pattern_figure(("QAT fp8/BF16", ratio), ("memory", memory)),
@@ -157,6 +172,15 @@ def install_bundle(bundle: Path, site: Path) -> tuple[str, str]:
     if done.returncode != 0:
         return "FAILED", done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"pip exit {done.returncode}"
     return "ok", f"{len(wheels)} wheels ({info.get('bytes', 0) / 2**20:.1f} MiB) into {site}"
+
+
+def waiting_for(stage: Stage, gpu: bool, gpus: int) -> str | None:
+    """What ``stage`` waits for on this machine (None: it runs): a GPU, or more GPUs than a GPU machine has."""
+    if stage.needs_gpu and not gpu:
+        return "needs a GPU"
+    if gpu and gpus < stage.needs_gpus:
+        return f"needs {stage.needs_gpus} GPUs, this machine has {gpus}"
+    return None
 
 
 def run_stage(stage: Stage, out: Path, env: dict, deadline: float) -> None:
@@ -213,20 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(site) if bundle_status == "ok" else "", str(ROOT),
                                                       os.environ.get("PYTHONPATH", "")) if p))
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], env=env,
-                           capture_output=True, text=True)
-    gpu = probe.stdout.strip() == "True" and not args.cpu
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available(), "
+                            "torch.cuda.device_count())"], env=env, capture_output=True, text=True)
+    found = probe.stdout.split()
+    gpu = found[:1] == ["True"] and not args.cpu
+    gpus = int(found[1]) if gpu and len(found) > 1 else 0
     rows = [("stage", "status", "seconds", "figure"), ("bundle", bundle_status, "", bundle_what)]
     if not gpu:
         rows.append(("gpu", "NONE", "", "no GPU found (torch.cuda.is_available() is False): the CPU mode, tiny sizes"
                      if not args.cpu else "--cpu: the CPU mode, tiny sizes"))
     assets = Path(args.bundle) / "assets" if (Path(args.bundle) / "assets").is_dir() else None
     done: dict[str, Stage] = {}
-    for stage in stages(gpu, out, assets):
+    for stage in stages(gpu, out, assets, gpus):
         if args.only is not None and stage.name not in args.only:
             continue
-        if stage.needs_gpu and not gpu:
-            stage.status, stage.shown = "WAITS", "needs a GPU"
+        waits = waiting_for(stage, gpu, gpus)
+        if waits:
+            stage.status, stage.shown = "WAITS", waits
         elif stage.after and done.get(stage.after) and done[stage.after].status != "ok":
             stage.status, stage.shown = "NOT RUN", f"needs the {stage.after} stage, which did not pass"
         else:

@@ -99,9 +99,10 @@ class NoiseFloorCallback(L.Callback):
         datamodule = trainer.datamodule
         bench = getattr(datamodule, "benchmarks", None) or datamodule
         tasks = list(getattr(bench, "task_names", None) or [])
-        if not tasks or not callable(getattr(bench, "val_dataloader", None)):
+        if not tasks or not callable(getattr(bench, "loaders", None)):
             return None
-        return answer_flips(model, bench.val_dataloader(), tasks, seeds=self.seeds, relative=self.relative)
+        # every example on every rank (the same forwards everywhere; rank 0 writes the counts)
+        return answer_flips(model, bench.loaders(), tasks, seeds=self.seeds, relative=self.relative)
 
     def metrics(self) -> dict[str, float]:
         """``noise_floor/kl`` (+ ``_low`` / ``_high``), the perplexity ratio of each seed, the answers changed."""

@@ -4,7 +4,8 @@ A run otherwise ends in pages of Lightning output, with the numbers that matter 
 saturation_summary.json and the config. At the end of fit, on global rank 0, this prints (stdout) and saves
 (``run_summary.txt`` in the log directory):
   train loss (last step); val loss and perplexity;
-  per benchmark task acc and acc_norm with lm-eval's standard error sqrt(p (1 - p) / (n - 1)), and n;
+  per benchmark task acc and acc_norm with lm-eval's standard error sqrt(p (1 - p) / (n - 1)), and n, the examples
+  scored, against the examples selected;
   forgetting: per benchmark, initial -> final for acc, acc_norm and the monitored continuous measure
   (ForgettingMonitor's; default p_gold_norm), paired over the same examples, with the difference, its 95 %
   interval and the verdict, and ``forget/kl`` (KL(initial || final) on held-out text) with its parts (drift:
@@ -240,7 +241,11 @@ class RunSummaryCallback(L.Callback):
             task, n = key[len("val/"):-len("/count")], m[key]
             scores = [f"{name} {m[f'val/{task}/{name}']:.4f} +- {stderr(m[f'val/{task}/{name}'], n):.4f}"
                       for name in ("acc", "acc_norm") if f"val/{task}/{name}" in m]
-            lines.append(f"{task:<13} {'   '.join(scores)}   n={int(n)}")
+            selected = m.get(f"val/{task}/selected")
+            scored = f"n={int(n)}" if selected is None else f"n={int(n)}/{int(selected)}"  # scored / selected
+            if selected is not None and n < selected:
+                scored += f" (only {int(n)} of the {int(selected)} selected examples scored)"
+            lines.append(f"{task:<13} {'   '.join(scores)}   {scored}")
         lines += forgetting_lines(trainer, log_dir, m)
         lines += floor_lines(_floor_callback(trainer))
         unquantized = sat is not None and not sat.get("quantized_tensors")

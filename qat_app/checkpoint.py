@@ -7,6 +7,9 @@ loads with ``torch.load`` as Lightning will load it, holds the full training sta
 state (names and shapes); otherwise it is refused, naming it, before anything in the run directory is written.
 What defines the run (the model, the data, ``warmup.warmup_steps``) may not change on resume
 (:class:`ResumeSettingsError`, naming each setting and both values); optimisation settings may, with a warning.
+Reading: :func:`read_checkpoint` gives any checkpoint, a file or a sharded (FSDP2) directory, whole on one process
+(``export``, ``validate`` / ``test``, ``inspect``); an incomplete directory is refused in one line naming what is
+missing (:mod:`qat_app.sharded_checkpoint`).
 
 See ``docs/runs.md`` (exact resume, changed settings on resume) for what is checked and what may change.
 """
@@ -16,47 +19,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
-import re
 from typing import Any
 
 import torch
 
-from .config import QuantConfig
 from .errors import CheckpointError, UnsafeFileError
+from .safe_load import listed, torch_load
+from .sharded_checkpoint import read_sharded_shapes, looks_sharded, read_sharded_checkpoint, read_sharded_with
 
 log = logging.getLogger(__name__)
 
-# What a file may hold is data: every load here is weights-only (torch's default since 2.6), and so is
-# Lightning's own. The one allowlist: the classes earlier versions pickled into checkpoints (a hand-written
-# QuantConfig in the hyper-parameters; today's store a plain dict). For every load of the process, Lightning's too.
-LEGACY_PICKLED_CLASSES = (QuantConfig,)
-torch.serialization.add_safe_globals(list(LEGACY_PICKLED_CLASSES))
-UNSAFE_FLAG = "--weights_only false"
-
-
-def unsafe_file_error(path: str, err: BaseException, flag: str = UNSAFE_FLAG) -> UnsafeFileError:
-    """The one line for a file a weights-only load refused: the file, the first global it names, the flag."""
-    found = re.search(r"GLOBAL ([\w.]+)", str(err))
-    what = f"a pickled reference to {found.group(1)}" if found else "pickled objects"
-    return UnsafeFileError(f"{path} holds {what}, which a weights-only load refuses: loading it could run code the "
-                           f"file carries. Load it only if you trust where it came from, with {flag}")
-
-
-def torch_load(path: str, weights_only: bool | None = None, flag: str = UNSAFE_FLAG, **kwargs):
-    """``torch.load`` on CPU, weights-only unless ``weights_only is False``; a refused pickle is
-    :class:`UnsafeFileError` (one line naming the file, the global and ``flag``)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only is not False, **kwargs)
-    except pickle.UnpicklingError as err:
-        if weights_only is not False and "Weights only load failed" in str(err):
-            raise unsafe_file_error(path, err, flag) from None
-        raise
+# (loading as data: qat_app.safe_load; sharded directories: qat_app.sharded_checkpoint)
 
 # model hyperparameters a resume may change (the new value is used, with a warning); any other is refused
 SOFT_MODEL_SETTINGS = ("lr", "weight_decay", "betas", "eps", "lr_schedule", "lr_warmup_steps", "min_lr_ratio",
                        "max_consecutive_nonfinite", "gradient_checkpointing")
-SOFT_DATA_SETTINGS = ("val_batch_size", "benchmarks")
+SOFT_DATA_SETTINGS = ("val_batch_size", "benchmarks", "limit_val_batches")
 # selection patterns: once the state check has passed, the same layers are quantized (an older default
 # pattern that selects the same modules is no change); the GEMM path: the same state, products that differ by
 # roundings (a run may move to FP8 tensor cores, or a checkpoint from before the emulated GEMM continue on it)
@@ -85,7 +63,7 @@ def run_checkpoints(trainer) -> list[str]:
     for directory in checkpoint_dirs(trainer):
         if os.path.isdir(directory):
             files |= {os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".ckpt")}
-    existing = [f for f in files if os.path.isfile(f) or is_sharded_checkpoint(f)]
+    existing = [f for f in files if os.path.isfile(f) or looks_sharded(f)]  # an incomplete one: refused, saying why
     return sorted(existing, key=lambda f: (os.path.getmtime(f), os.path.basename(f).startswith("last")), reverse=True)
 
 
@@ -158,38 +136,18 @@ def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_s
     return None, None, refused
 
 
-def is_sharded_checkpoint(path: str) -> bool:
-    """A distributed checkpoint directory (FSDP2 / ModelParallelStrategy): DCP's ``.metadata`` inside."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
-
-
-def _load_sharded_checkpoint(path: str, weights_only: bool | None) -> dict[str, Any]:
-    """The checkpoint's non-tensor part (Lightning's ``meta.pt``) plus its state_dict as empty tensors of the
-    saved shapes (from DCP's metadata): enough to check it against the model without loading any shard."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta_file = os.path.join(path, "meta.pt")
-    try:
-        ckpt = torch_load(meta_file, weights_only) if os.path.isfile(meta_file) else {}
-        metadata = FileSystemReader(path).read_metadata()
-    except UnsafeFileError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"sharded checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is incomplete "
-                              "(the job died while writing it?) or corrupt. Resume from an earlier checkpoint.") from e
-    ckpt = dict(ckpt) if isinstance(ckpt, dict) else {}
-    ckpt["state_dict"] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if not key.startswith("state_dict."):
-            continue
-        key = key[len("state_dict."):]
-        if "._extra_state." in key:  # DCP flattens a module's extra state (a dict): present, without a shape
-            ckpt["state_dict"][key.split("._extra_state.", 1)[0] + "._extra_state"] = None
-        else:
-            ckpt["state_dict"][key] = torch.empty(tuple(md.size), device="meta") if isinstance(md, TensorStorageMetadata) else None
-    if any(key.startswith("optimizer_0") for key in metadata.state_dict_metadata):
-        ckpt.setdefault("optimizer_states", [None])
+def read_checkpoint(path: str, weights_only: bool | None = None, optimizer: bool = False,
+                    select=None) -> dict[str, Any]:
+    """Any checkpoint -> its dict, whole, on this process: a file (:func:`load_checkpoint_file`, memory-mapped) or a
+    sharded checkpoint directory (:func:`read_sharded_checkpoint`; ``optimizer``: its optimizer state too). What
+    ``export``, ``validate`` / ``test`` (under a strategy that reads files) and ``inspect`` read. ``select``: only
+    the state-dict entries whose key it accepts."""
+    path = str(path)
+    if looks_sharded(path):
+        return read_sharded_checkpoint(path, weights_only, optimizer, select)
+    ckpt = load_checkpoint_file(path, weights_only)
+    if select is not None and isinstance(ckpt, dict) and isinstance(ckpt.get("state_dict"), dict):
+        ckpt["state_dict"] = {key: value for key, value in ckpt["state_dict"].items() if select(key)}
     return ckpt
 
 
@@ -199,23 +157,18 @@ def checkpoint_dirs(trainer) -> list[str]:
     return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
 
 
-def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    return shown + (f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
-
-
 def load_checkpoint_file(path: str, weights_only: bool | None = None) -> dict[str, Any] | None:
     """``torch.load`` (memory-mapped, on CPU) with a :class:`CheckpointError` naming the file on failure.
 
     A sharded (distributed) checkpoint directory gives its metadata and the saved tensor shapes
-    (:func:`_load_sharded_checkpoint`); any other directory is refused."""
-    if is_sharded_checkpoint(path):
-        return _load_sharded_checkpoint(path, weights_only)
+    (:func:`read_sharded_shapes`; :func:`read_checkpoint` reads it whole); any other directory is refused."""
+    if looks_sharded(path):
+        return read_sharded_shapes(path, weights_only)
     if os.path.isdir(path):
         inside = sorted(f for f in os.listdir(path) if f.endswith(".ckpt"))
         raise CheckpointError(
             f"--ckpt_path {path} is a directory, not a checkpoint file (nor a sharded checkpoint: no .metadata)"
-            + (f"; it holds {_listed(inside)}: give one of them, e.g. {os.path.join(path, inside[-1])}" if inside
+            + (f"; it holds {listed(inside)}: give one of them, e.g. {os.path.join(path, inside[-1])}" if inside
                else "; it holds no .ckpt file"))
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist (--ckpt_path)")
@@ -252,7 +205,7 @@ def _looks_like_qat_checkpoint(ckpt: dict, module_class) -> tuple[bool, str]:
     allowed = set(inspect.signature(module_class.__init__).parameters) - {"self"}
     foreign = sorted(k for k in hparams if k not in allowed and not k.startswith("_"))
     if foreign:
-        return False, f"hyperparameters {_listed(foreign)} are not {module_class.__name__}'s"
+        return False, f"hyperparameters {listed(foreign)} are not {module_class.__name__}'s"
     return True, ""
 
 
@@ -261,7 +214,7 @@ def check_checkpoint_file(
 ) -> dict[str, Any] | None:
     """Check a checkpoint file on its own (no model needed): readable, a Lightning checkpoint, with the
     training state when ``need_training_state``, written by ``module_class`` (when given). Returns it
-    (None for a sharded checkpoint directory)."""
+    (a sharded checkpoint directory: its shapes and metadata, :func:`read_sharded_shapes`)."""
     ckpt = load_checkpoint_file(path, weights_only)
     if ckpt is None:
         return None
@@ -308,12 +261,12 @@ def validate_resume_checkpoint(
     if missing or unexpected or mismatched:
         parts = []
         if missing:
-            parts.append(f"missing: {_listed(missing)}")
+            parts.append(f"missing: {listed(missing)}")
         if unexpected:
-            parts.append(f"unexpected: {_listed(unexpected)}")
+            parts.append(f"unexpected: {listed(unexpected)}")
         if mismatched:
-            parts.append(f"other shape: {_listed(mismatched)}")
-        hint = f"; settings that differ (checkpoint -> now): {_listed(diffs)}" if diffs else ""
+            parts.append(f"other shape: {listed(mismatched)}")
+        hint = f"; settings that differ (checkpoint -> now): {listed(diffs)}" if diffs else ""
         raise CheckpointError(
             f"checkpoint {path} does not belong to this model"
             + (f" (it was written for model_name={name!r})" if name else "")
@@ -329,7 +282,7 @@ def validate_resume_checkpoint(
             "run (another --run_dir) instead of resuming")
     if allowed:
         log.warning("resuming from %s with changed settings (checkpoint -> now; the new values are used): %s",
-                    path, _listed(allowed))
+                    path, listed(allowed))
     return {"global_step": ckpt.get("global_step"), "differences": allowed}
 
 
@@ -426,7 +379,8 @@ def resolve_ckpt_path(ckpt_path, trainer, module, need_training_state: bool, wei
     """-> the checkpoint to run from, checked against the built ``module`` (and, to resume a fit, the data and
     the ``warmup`` callback): ``last`` becomes the newest intact checkpoint of the run (newer ones that cannot
     be read are skipped with a warning; None, a new run, when there is none at all), a FILE is checked as it
-    is. Other values (None, ``best``, ...) are returned unchanged. Raises :class:`CheckpointError`."""
+    is; a sharded directory, once checked, is read as the trainer's strategy can (:func:`read_sharded_with`).
+    Other values (None, ``best``, ...) are returned unchanged. Raises :class:`CheckpointError`."""
     if ckpt_path != "last" and not is_checkpoint_file_arg(ckpt_path):
         return ckpt_path
     run = dict(datamodule=datamodule, warmup=warmup)
@@ -448,6 +402,8 @@ def resolve_ckpt_path(ckpt_path, trainer, module, need_training_state: bool, wei
         ckpt_path = str(ckpt_path)
         summary = validate_resume_checkpoint(ckpt_path, module, weights_only=weights_only,
                                              need_training_state=need_training_state, trainer=trainer, **run)
+    if looks_sharded(ckpt_path):
+        read_sharded_with(trainer, ckpt_path, need_training_state)
     if need_training_state:
         log.info("checkpoint %s (global step %s) checked: resuming", ckpt_path, summary["global_step"])
     return ckpt_path  # exactly the file that was checked

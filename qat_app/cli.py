@@ -40,6 +40,7 @@ from qat_app.checkpoint import (check_given_checkpoint, is_checkpoint_file_arg, 
                                 settings_dict)
 from qat_app.errors import ConfigError, QATError
 from qat_app.module import QATModule
+from qat_app.sharded_checkpoint import looks_sharded, sharded_hparams
 from qat_app.quiet import quiet_library_notices
 from qat_app.step_profile import StepProfiler
 
@@ -86,6 +87,10 @@ class QATCLI(LightningCLI):
             help="put the whole run in DIR: trainer.default_root_dir and every logger save_dir / callback dirpath "
                  "under it are moved from the configured default_root_dir to DIR (one flag per run, as "
                  "`main.py study` does)")
+        parser.add_argument(
+            "--val_every_n_steps", type=Optional[int], default=None,
+            help="validate every N optimizer steps, the same on any number of devices and nodes: converted at start "
+                 "to trainer.val_check_interval (micro-batches) = N x the gradient accumulation, which it replaces")
         # the data reads text with the model's own tokenizer
         parser.link_arguments("model.model_name", "data.init_args.tokenizer")
         parser.link_arguments("model.trust_remote_code", "data.init_args.trust_remote_code")
@@ -142,7 +147,12 @@ class QATCLI(LightningCLI):
                         "weights-only): the configured ones are used", ckpt_path)
             return
         configured = settings_dict(self.config[subcommand].get("model"))
-        super()._parse_ckpt_path()
+        if looks_sharded(str(ckpt_path)):  # Lightning reads a file's settings only; a sharded one's are in meta.pt
+            hparams = {k: v for k, v in (sharded_hparams(str(ckpt_path)) or {}).items() if k != "_instantiator"}
+            if hparams:
+                self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        else:
+            super()._parse_ckpt_path()
         model = self.config[subcommand].get("model")
         if model is not None and "trust_remote_code" in model:  # the user's choice, never a file's
             model.trust_remote_code = bool(configured.get("trust_remote_code", False))
@@ -168,6 +178,8 @@ class QATCLI(LightningCLI):
         preflight.check_model_settings(cfg.get("model"))
         preflight.check_gemm(cfg)
         preflight.derive_gradient_accumulation(cfg)
+        preflight.derive_validation_interval(cfg)
+        preflight.route_limit_val_batches(cfg)
         if self.subcommand == "fit":
             preflight.check_fit_settings(cfg)
 
@@ -257,6 +269,11 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         sys.argv[1:] = replace_deprecated_flags(sys.argv[1:])  # LightningCLI reads sys.argv itself
     command = sys.argv[1:] if argv is None else replace_deprecated_flags(argv)
+    try:
+        preflight.check_torch()
+    except ConfigError as err:  # a torch outside the supported range: one line, before anything runs
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     if not command or command[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if command else sys.stderr)
         sys.exit(0 if command else 2)

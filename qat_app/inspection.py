@@ -84,7 +84,8 @@ def inspect_parser(prog: str) -> argparse.ArgumentParser:
                     "high_precision_layers or module_pattern. Without --ckpt_path every block is measured "
                     "(high_precision_layers 0) after a calibration; with one, its layout and scales.",
         epilog="Every other flag is `main.py validate`'s: --config FILE (the run's model and data sections), "
-               "--ckpt_path FILE|last (a QAT checkpoint: its scales), --model.*, --data.*, --trainer.precision ... "
+               "--ckpt_path FILE|DIR|last (a QAT checkpoint, a file or a sharded FSDP2 directory: its scales), "
+               "--model.*, --data.*, --trainer.precision ... "
                "Text from a local file: --data.init_args.data_files FILE --data.init_args.dataset null.")
     parser.add_argument("--batches", type=int, default=4, help="batches of text to compare on (default 4)")
     parser.add_argument("--split", choices=("auto", "val", "train"), default="auto",
@@ -163,7 +164,7 @@ def _inspect_cli(options: argparse.Namespace):
                 raise InspectError("--calibration / --calibration_batches: a --ckpt_path checkpoint brings its own "
                                    "scales (from its amax histories); leave them out")
             if is_checkpoint_file_arg(ckpt_path):  # refused before the model is built (`last`: once resolved)
-                _checkpoint_state(ckpt_path, self.config.validate.get("weights_only"))
+                _checkpoint_state(ckpt_path, self.config.validate.get("weights_only"), check_only=True)
 
         def before_validate(self) -> None:
             # the checkpoint check of `validate` (resolves `last`); not its refusal of a model without history:
@@ -269,15 +270,14 @@ def text_batches(datamodule, split: str, count: int) -> tuple[list, str]:
     return batches, what
 
 
-def _checkpoint_state(ckpt_path, weights_only: bool | None) -> dict:
-    """The checkpoint's state dict, refused when it holds no scales: no quantized layer, or no scaler with a
-    recorded step (``steps_recorded == 0`` everywhere)."""
-    from .checkpoint import is_sharded_checkpoint, load_checkpoint_file
+def _checkpoint_state(ckpt_path, weights_only: bool | None, check_only: bool = False) -> dict:
+    """The checkpoint's state dict (a file or a sharded FSDP2 directory; ``check_only``: its step counters only),
+    refused when it holds no scales: no quantized layer, or no scaler with a recorded step (``steps_recorded == 0``
+    everywhere)."""
+    from .checkpoint import read_checkpoint
 
-    if is_sharded_checkpoint(str(ckpt_path)):
-        raise InspectError(f"--ckpt_path {ckpt_path}: a sharded (FSDP) checkpoint directory; inspect reads a "
-                           "single-file checkpoint (consolidate it first)")
-    state = load_checkpoint_file(str(ckpt_path), weights_only)["state_dict"]
+    select = (lambda key: key.endswith(".steps_recorded")) if check_only else None
+    state = read_checkpoint(str(ckpt_path), weights_only, select=select)["state_dict"]
     recorded = [int(value) for key, value in state.items() if key.endswith(".steps_recorded")]
     if not recorded:
         raise InspectError(f"--ckpt_path {ckpt_path}: no quantized layer in it (a run with model.quant.enabled=false): "

@@ -298,17 +298,29 @@ class QATModule(L.LightningModule):
         return list(names)
 
     def _log_benchmarks(self, prefix: str) -> None:
-        """Log the benchmark metrics; rank 0 writes every example's record (all ranks' examples) with
-        :func:`qat_app.eval.records.write_benchmark_records`."""
+        """Log the benchmark metrics, with ``<task>/selected`` next to ``<task>/count`` (the examples scored) and a
+        line saying both; rank 0 writes every example's record (all ranks' examples) with
+        :func:`qat_app.eval.records.write_benchmark_records`. Lightning's sanity check (a few batches of each
+        loader) is no evaluation: nothing of it is logged or written."""
         if self.evaluator is None:
             return
+        if self.trainer is not None and self.trainer.sanity_checking:
+            self.evaluator.reset()
+            return
         results, records = self.evaluator.compute_with_records()
+        datamodule = self._benchmark_datamodule()
+        selected = datamodule.selected() if callable(getattr(datamodule, "selected", None)) else {}
+        for task, n in selected.items():
+            if f"{task}/count" in results:
+                results[f"{task}/selected"] = torch.tensor(float(n), device=self.device)
         for key, value in results.items():
             self.log(f"{prefix}/{key}", value, add_dataloader_idx=False, sync_dist=False)
         self.evaluator.reset()
+        if self.trainer is None or self.trainer.is_global_zero:
+            log_scored(results, selected, prefix, self.global_step)
         log_dir = self.trainer.log_dir if self.trainer is not None else None  # a broadcast: on every rank
         if records and log_dir is not None and self.trainer.is_global_zero:
-            write_benchmark_records(records, self._benchmark_datamodule(), log_dir, prefix, self.global_step)
+            write_benchmark_records(records, datamodule, log_dir, prefix, self.global_step, selected)
 
     def on_validation_epoch_end(self) -> None:
         self._log_benchmarks("val")
@@ -322,6 +334,23 @@ class QATModule(L.LightningModule):
     # -------------------------------------------------------------------------------- utilities
     def quantized_linears(self):
         return quantized_linears(self.model)
+
+
+def log_scored(results: dict[str, torch.Tensor], selected: dict[str, int], prefix: str, step: int) -> None:
+    """One line per evaluation: per task the examples scored of those selected (``mmlu 80/80``); a warning
+    naming every task that scored fewer."""
+    tasks = [key[: -len("/count")] for key in results if key.endswith("/count")]
+    if not tasks:
+        return
+    counts = {task: int(results[f"{task}/count"]) for task in tasks}
+    parts = [f"{task} {counts[task]}/{selected[task]}" if task in selected else f"{task} {counts[task]}"
+             for task in tasks]
+    short = [task for task in tasks if task in selected and counts[task] < selected[task]]
+    if short:
+        log.warning("%s at step %d: benchmark examples scored / selected: %s -- NOT every selected example of %s "
+                    "was scored", prefix, step, ", ".join(parts), ", ".join(short))
+    else:
+        log.info("%s at step %d: benchmark examples scored / selected: %s", prefix, step, ", ".join(parts))
 
 
 def _gradients(optimizer) -> list[torch.Tensor]:

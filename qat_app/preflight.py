@@ -3,9 +3,11 @@
 Each check raises :class:`qat_app.errors.ConfigError` (or the data's / the model source's own error) with one
 line naming the setting; :class:`qat_app.cli.QATCLI` calls them in this order:
 
+* before any command (:func:`qat_app.cli.main`): :func:`check_torch` (torch inside :data:`TORCH_RANGE`);
 * on the parsed config, before the model is loaded: :func:`relocate_run` (``--run_dir``),
   :func:`check_accelerator`, :func:`check_model_settings`, :func:`derive_gradient_accumulation` (which also
-  checks the batch arithmetic) and, for ``fit``, :func:`check_fit_settings`;
+  checks the batch arithmetic), :func:`derive_validation_interval`, :func:`route_limit_val_batches`
+  and, for ``fit``, :func:`check_fit_settings`;
 * on the built objects, before the trainer writes anything: :func:`check_data`, and for ``validate`` /
   ``test`` without a checkpoint :func:`refuse_quantized_model_without_history`.
 
@@ -14,9 +16,41 @@ The checkpoint given with ``--ckpt_path`` is checked by :mod:`qat_app.checkpoint
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 
 from qat_app.errors import ConfigError, did_you_mean, settings_of
+
+log = logging.getLogger(__name__)
+
+# The torch versions this project supports (oldest and newest major.minor, both ends tested: the GPU image's 2.11 by
+# `make gpu-rehearsal`, requirements.txt's 2.13 by the suite). pyproject.toml's torch requirement says the same.
+TORCH_RANGE = ((2, 11), (2, 13))
+
+
+def torch_outside_range(version: str) -> str | None:
+    """One line on torch ``version`` (``torch.__version__``) outside :data:`TORCH_RANGE`; None inside it (local and
+    pre-release tags count as their major.minor: ``2.11.0+cu130``, ``2.12.0a0+git``)."""
+    low, high = TORCH_RANGE
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    if found and low <= (int(found[1]), int(found[2])) <= high:
+        return None
+    return (f"torch {version} is outside the supported range {low[0]}.{low[1]}-{high[0]}.{high[1]} (install one: "
+            f"pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'; QAT_APP_ANY_TORCH=1 runs anyway, "
+            "untested)")
+
+
+def check_torch() -> None:
+    """The installed torch inside :data:`TORCH_RANGE`, else a :class:`ConfigError` (a warning with
+    QAT_APP_ANY_TORCH=1), before anything else runs."""
+    import torch
+
+    problem = torch_outside_range(torch.__version__)
+    if problem and os.environ.get("QAT_APP_ANY_TORCH") == "1":
+        log.warning("%s: going on (QAT_APP_ANY_TORCH=1)", problem.split(" (")[0])
+    elif problem:
+        raise ConfigError(problem)
 
 
 def world_size(trainer_cfg) -> int:
@@ -142,6 +176,36 @@ def derive_gradient_accumulation(cfg) -> None:
         )
 
 
+def derive_validation_interval(cfg) -> None:
+    """``val_every_n_steps`` (optimizer steps, the same on any number of devices) -> Lightning's
+    ``trainer.val_check_interval`` (micro-batches): ``val_every_n_steps x trainer.accumulate_grad_batches``, after
+    :func:`derive_gradient_accumulation`. It replaces a configured ``val_check_interval`` (a saved config holds the
+    one derived for its own device count); one given alone keeps counting micro-batches, and the log says what
+    that is in optimizer steps here."""
+    every = cfg.get("val_every_n_steps")
+    trainer_cfg = cfg.trainer
+    accumulate = int(trainer_cfg.get("accumulate_grad_batches") or 1)
+    configured = trainer_cfg.get("val_check_interval")
+    if every is None:
+        if isinstance(configured, int) and not isinstance(configured, bool) and accumulate > 1:
+            log.info("trainer.val_check_interval=%d counts micro-batches: validation every %g optimizer steps with "
+                     "%d micro-batches a step on these devices (val_every_n_steps states optimizer steps on any "
+                     "number of devices)", configured, configured / accumulate, accumulate)
+        return
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"val_every_n_steps must be a positive integer (optimizer steps), got {every!r}")
+    interval = every * accumulate
+    if configured not in (None, 1.0, interval):
+        log.warning("trainer.val_check_interval=%s replaced by val_every_n_steps=%d x %d micro-batches a step = %d "
+                    "(to count micro-batches instead: --val_every_n_steps null)", configured, every, accumulate,
+                    interval)
+    trainer_cfg.val_check_interval = interval
+    # an interval in batches across epochs (the pretraining stream has no epochs to count)
+    trainer_cfg.check_val_every_n_epoch = None
+    log.info("validation every %d optimizer steps = every %d micro-batches (%d a step on %d device(s))", every,
+             interval, accumulate, world_size(trainer_cfg))
+
+
 def check_fit_settings(cfg) -> None:
     """Settings that only make sense together, checked before the model is loaded: the BF16 warmup fits in
     ``trainer.max_steps``, so does the fallback window, and the LR schedule has the length it needs."""
@@ -158,6 +222,55 @@ def check_fit_settings(cfg) -> None:
         check_fallback(make_policy(fallback.get("policy")), warmup_steps=int(cfg.warmup.warmup_steps),
                        max_steps=max_steps, health=bool((cfg.get("saturation") or {}).get("health", True)))
     check_lr_schedule((cfg.get("model") or {}).get("lr_schedule", "cosine"), max_steps)
+
+
+def route_limit_val_batches(cfg) -> None:
+    """``trainer.limit_val_batches`` limits the held-out LM validation only. Lightning applies its one limit to every
+    validation dataloader, the benchmarks' too (MMLU, ordered subject by subject, would lose its last subjects), so a
+    limit other than 0 (validation off, which stays) moves to ``data.init_args.limit_val_batches`` of a
+    :class:`~qat_app.data.pretrain.PretrainDataModule` (its LM loader alone) and the trainer's goes back to all
+    batches. A :class:`~qat_app.data.benchmarks.BenchmarkDataModule` has no LM validation: its limit (and
+    ``limit_test_batches``) is dropped, and every selected example is scored."""
+    from qat_app.data.benchmarks import BenchmarkDataModule
+    from qat_app.data.pretrain import PretrainDataModule
+
+    data = cfg.get("data")
+    data_class = _data_class(data)
+    if data_class is None:
+        return
+    trainer_cfg = cfg.trainer
+    for name in ("limit_val_batches", "limit_test_batches"):
+        limit = trainer_cfg.get(name)
+        if limit is None or limit == 0 or (isinstance(limit, float) and limit == 1.0):
+            continue
+        if issubclass(data_class, PretrainDataModule) and name == "limit_val_batches":
+            given = data.init_args.get("limit_val_batches")
+            if given is not None and given != limit:
+                raise ConfigError(f"trainer.limit_val_batches={limit} and data.init_args.limit_val_batches={given}: "
+                                  "both limit the held-out LM validation; set one")
+            data.init_args.limit_val_batches = limit
+            log.info("trainer.limit_val_batches=%s limits the held-out LM validation only "
+                     "(data.init_args.limit_val_batches); every selected benchmark example is scored", limit)
+        elif issubclass(data_class, BenchmarkDataModule):
+            log.info("trainer.%s=%s not applied: this data has no held-out LM validation, and every selected "
+                     "benchmark example is scored", name, limit)
+        else:
+            continue
+        setattr(trainer_cfg, name, None)
+
+
+def _data_class(data):
+    """The class a ``data`` config section names (None when it names none, or one that does not import)."""
+    import importlib
+
+    class_path = data.get("class_path") if data is not None and hasattr(data, "get") else None
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 def check_data(datamodule, world_size: int) -> None:

@@ -42,6 +42,23 @@ class RankDump(L.Callback):
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
+class WeightCodes(L.Callback):
+    """At the end of training, every quantized weight's codes as the training forward computes them from the live
+    (under FSDP2: sharded, gathered) weights and scales (``benchmarks.gpu_export_check.training_codes``), written
+    by rank 0 to ``path``: what an export of the run's last checkpoint must hold."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from benchmarks.gpu_export_check import training_codes
+        from qat_app.export.qat_checkpoint import COMPUTE_DTYPES
+
+        codes = training_codes(pl_module, compute=getattr(torch, COMPUTE_DTYPES[str(trainer.precision)]))
+        if trainer.global_rank == 0:
+            torch.save(codes, self.path)
+
+
 def ddp_config(tmp_path, model_dir, corpus) -> str:
     return write_config(
         tmp_path, model_dir, corpus,

@@ -312,3 +312,51 @@ def test_markstein_division_is_exact_for_every_hif8_value_and_scale_mantissa(mon
         bad = torch.zeros(1, dtype=torch.int32, device="cuda")
         _count_mismatches[((1 << 23) // 1024,)](q, q.numel(), bad, sexp, CORRECTIONS=tfq.CORRECTIONS, BLOCK=1024)
         assert bad.item() == 0, f"{bad.item()} inexact quotients for scales in [2^{sexp - 127}, 2^{sexp - 126})"
+
+
+class FailsOn:
+    """A torch.compile backend that fails on the graphs of one function (named in their stack traces) and runs
+    every other graph as it is."""
+
+    def __init__(self, function: str) -> None:
+        self.marker = f", in {function}\n"
+        self.compiled = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if any(self.marker in (node.meta.get("stack_trace") or "") for node in gm.graph.nodes):
+            raise RuntimeError("this compiler cannot build it")
+        self.compiled += 1
+        return gm.forward
+
+
+def test_a_function_that_fails_to_compile_runs_in_plain_torch_said_once(monkeypatch, caplog):
+    """"auto": a compiler that fails on one function (fake_quantize, as torch 2.11's dynamo did) does not stop
+    the run: that function runs in plain torch (the same bits), the log names it and the reason once, and the
+    others (here the what-if counts) stay compiled. "on" (the graph audits): the error propagates."""
+    from qat_app.hif8 import health
+    from qat_app.hif8.backends import compiled
+    from qat_app.hif8.backends.compiled import CompiledBackend
+
+    compiler = FailsOn("fake_quantize")
+    monkeypatch.setattr(compiled, "COMPILER", compiler)
+    monkeypatch.delenv("QAT_APP_NO_COMPILE", raising=False)
+    torch._dynamo.reset()
+    x = nasty_tensor(3 * 257, torch.bfloat16, 0.37, 15.0).view(3, 257)  # 2-D: the shape comes back
+    scale, whatif = torch.tensor(0.37), torch.tensor([0.2, 0.37, 1.0])
+    with pytest.raises(Exception, match="this compiler cannot build it"):
+        CompiledBackend(required=True).quantize(x, scale, 15.0, 15.5, "hif8", True, None, False, whatif)
+    backend = CompiledBackend(required=False)
+    with caplog.at_level("WARNING", logger="qat_app.hif8.backends.compiled"):
+        for grid in (False, True, False):
+            ours = backend.quantize(x, scale, 15.0, 15.5, "hif8", True, None, grid, whatif)
+            assert_same_result(ours, fake_quantize(x, scale, 15.0, "hif8", want_codes=True, grid=grid,
+                                                   whatif_scales=whatif, fused="off"))
+        counts = health.whatif_clipped(x, whatif, x.float().abs().amax(), 15.0, 0.0, 15.5, fused="auto")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0] == (
+        "torch.compile of qat_app.hif8.backends.reference.fake_quantize failed (RuntimeError at test_backends.py:"
+        f"{FailsOn.__call__.__code__.co_firstlineno + 2}: this compiler cannot build it); it runs in plain torch "
+        "from now on (the same bits)")
+    assert compiler.compiled >= 1  # the what-if counts compiled
+    assert counts.tolist() == health.whatif_clipped(x, whatif, x.float().abs().amax(), 15.0, 0.0, 15.5,
+                                                    fused="off").tolist()

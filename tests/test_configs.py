@@ -67,6 +67,9 @@ def test_config_instantiates(config, tmp_path, monkeypatch, deep_tiny_model_dir)
     if pretrain:
         check_fit_settings(run.config)  # what `fit` checks before loading the model
         assert trainer.max_steps == trainer_spec["max_steps"]
+        # the cadence is stated in optimizer steps: the same on one device as on the config's 8 GPUs
+        assert "val_check_interval" not in trainer_spec, "state val_every_n_steps (optimizer steps) instead"
+        assert trainer.val_check_interval == spec["val_every_n_steps"] * trainer.accumulate_grad_batches
 
     # every configured logger really built: TensorBoard's SummaryWriter needs the tensorboard package
     configured = [entry["class_path"].rsplit(".", 1)[1] for entry in trainer_spec.get("logger", [])]

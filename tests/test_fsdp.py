@@ -6,15 +6,21 @@
 * an FSDP2 run killed at step 2 and resumed with ``--ckpt_path last`` (a sharded checkpoint directory)
   ends with the same scaler states and losses as the run that was not interrupted;
 * 2 "nodes" x 1 process on the loopback interface (``NODE_RANK``, ``MASTER_ADDR=127.0.0.1``) gives the
-  same histories and losses as 2 processes on one node.
+  same histories and losses as 2 processes on one node;
+* the FSDP2 run's sharded ``last.ckpt`` directory exports (hif8, compressed-tensors) with every weight code the
+  training forward computed at the end of the run, validates on one process with the loss of the same state
+  consolidated by Lightning's own tool, and inspects; an incomplete copy is refused in one line.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -68,13 +74,19 @@ def _assert_same_scalers(a, b, exact=True):
 
 
 @pytest.fixture(scope="module")
-def runs(module_tmp, tiny_model_dir, tiny_corpus):
-    out = {}
-    for name, strategy in (("ddp", "ddp"), ("fsdp", FSDP)):
-        tmp = module_tmp(name)
-        run_main(["fit", "--config", _config(tmp, tiny_model_dir, tiny_corpus, strategy)])
-        out[name] = (tmp, dumps(tmp / "dump"))
-    return out
+def fsdp_run(module_tmp, tiny_model_dir, tiny_corpus):
+    """The 2-process FSDP2 fit; it also writes the weight codes its training forward computes at the end."""
+    tmp = module_tmp("fsdp")
+    codes = {"class_path": "tests._ddp_runs.WeightCodes", "init_args": {"path": str(tmp / "codes.pt")}}
+    run_main(["fit", "--config", _config(tmp, tiny_model_dir, tiny_corpus, FSDP, [codes])])
+    return tmp, dumps(tmp / "dump")
+
+
+@pytest.fixture(scope="module")
+def runs(module_tmp, tiny_model_dir, tiny_corpus, fsdp_run):
+    tmp = module_tmp("ddp")
+    run_main(["fit", "--config", _config(tmp, tiny_model_dir, tiny_corpus, "ddp")])
+    return {"ddp": (tmp, dumps(tmp / "dump")), "fsdp": fsdp_run}
 
 
 def test_fsdp_trains_like_ddp(runs):
@@ -171,3 +183,60 @@ def test_one_process_ddp_and_fsdp2_agree_on_the_same_global_batch(tmp_path):
             torch.testing.assert_close(r0["scalers"][key], value, rtol=1e-5, atol=0, msg=f"{mode} {key}")
             checked += 1
         assert checked >= 6 * len(SYNCED) - 6
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _val_loss(run_dir: Path, config: str, ckpt: str) -> float:
+    """``main.py validate`` of ``ckpt`` on one process (no strategy: it reads files), in a run directory of its own."""
+    done = _main("validate", "--config", config, "--ckpt_path", ckpt, "--trainer.devices", "1",
+                 "--trainer.strategy", "auto", "--run_dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return float(re.search(r"val/loss\W+([-+0-9.eE]+)", done.stdout).group(1))
+
+
+def test_fsdp_run_exports_validates_and_inspects_from_its_sharded_checkpoint(fsdp_run, tmp_path):
+    """The sharded ``last.ckpt`` directory, as it is: both exports hold exactly the codes the training forward
+    computed from the live sharded weights and scales; validate gives the loss of the same state consolidated by
+    Lightning's own tool; inspect reads it."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    from benchmarks.gpu_export_check import differing_codes
+    from qat_app.export import main as export_main
+
+    run, _ = fsdp_run
+    last, config = run / "ckpt" / "last.ckpt", str(run / "config.yaml")
+    assert (last / ".metadata").is_file() and (last / "meta.pt").is_file()  # a sharded checkpoint, as written
+    for fmt in ("hif8", "compressed-tensors"):
+        assert export_main(["--ckpt_path", str(last), "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+    trained = torch.load(run / "codes.pt", weights_only=True)
+    assert len(trained) == 6  # blocks 1-2 of 3: gate, up, down
+    result = differing_codes(trained, tmp_path / "hif8", tmp_path / "compressed-tensors")
+    assert result == {"codes": sum(c.numel() for c in trained.values()), "differ_hif8": 0, "differ_fp8": 0}, result
+
+    consolidated = tmp_path / "consolidated.ckpt"  # what lightning.fabric.utilities.consolidate_checkpoint writes
+    torch.save(_load_distributed_checkpoint(last), consolidated)
+    assert _val_loss(tmp_path / "v_dir", config, str(last)) == _val_loss(tmp_path / "v_file", config, str(consolidated))
+
+    done = _main("inspect", "--config", config, "--ckpt_path", str(last), "--trainer.devices", "1",
+                 "--trainer.strategy", "auto", "--run_dir", str(tmp_path / "inspect"), "--batches", "1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "inspect: 6 quantized matmuls" in done.stdout
+
+
+def test_incomplete_sharded_checkpoint_is_refused_in_one_line(fsdp_run, tmp_path):
+    run, _ = fsdp_run
+    bad = tmp_path / "last.ckpt"
+    shutil.copytree(run / "ckpt" / "last.ckpt", bad)
+    (bad / "__1_0.distcp").unlink()  # one rank's shard never written (or not copied)
+    before = sorted((p.name, p.stat().st_size) for p in bad.iterdir())
+    done = _main("validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(bad), "--trainer.devices", "1",
+                 "--trainer.strategy", "auto", "--run_dir", str(tmp_path / "v"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"sharded checkpoint {bad} is incomplete: missing __1_0.distcp" in errors[0], errors
+    assert sorted((p.name, p.stat().st_size) for p in bad.iterdir()) == before  # nothing in it changed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +16,36 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_fsdp_fit_script_runs_and_reports(tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_the_multi_device_fit_trains_on_every_process_and_reports(tmp_path, strategy):
+    """The validation's fsdp and ddp stages in the CPU mode: 2 gloo processes (every GPU with NCCL on a GPU
+    machine), one world, the same scaler state on every rank after the per-step MAX all-reduce."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp_fit.py"), "--device", "cpu", "--tiny",
-                           "--steps", "4", "--seq-len", "64", "--micro-batch", "2", "--out", str(tmp_path)],
+                           "--steps", "4", "--seq-len", "64", "--micro-batch", "2", "--devices", "2",
+                           "--strategy", strategy, "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["steps"] == 4 and result["sharded_checkpoint"] is True
+    assert result["steps"] == 4 and result["sharded_checkpoint"] is (strategy == "fsdp2")
+    assert result["world_size"] == 2 and result["backend"] == "gloo" and result["scalers_equal"] is True
     assert result["seconds_per_step"] > 0 and result["final_loss"] > 0
     assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_validation.sh")]).returncode == 0
+
+
+def test_the_multi_device_stages_use_every_gpu_and_ddp_waits_for_two():
+    validation = _validation()
+    on_gpus = {s.name: s for s in validation.stages(True, Path("/o"), None, gpus=8)}
+    on_cpu = {s.name: s for s in validation.stages(False, Path("/o"), None)}
+    for name, strategy in (("fsdp", "fsdp2"), ("ddp", "ddp")):
+        for built, devices in ((on_gpus, "8"), (on_cpu, "2")):
+            command = built[name].command
+            assert command[command.index("--devices") + 1] == devices
+            assert command[command.index("--strategy") + 1] == strategy
+    assert validation.waiting_for(on_gpus["ddp"], gpu=True, gpus=1) == "needs 2 GPUs, this machine has 1"
+    assert validation.waiting_for(on_gpus["ddp"], gpu=True, gpus=8) is None
+    assert validation.waiting_for(on_cpu["ddp"], gpu=False, gpus=0) is None  # 2 gloo processes
+    assert validation.waiting_for(on_gpus["fsdp"], gpu=True, gpus=1) is None
 
 
 def test_fp8_check_script_runs_on_the_cpu_and_reports_agreement():
@@ -119,3 +140,54 @@ def test_the_bundle_holds_wheels_for_the_gpu_python_and_the_assets(tmp_path):
     assert (tmp_path / "b" / "wheels" / manifest["wheels"][0]["file"]).is_file()
     assert (tmp_path / "b" / "assets" / "tokenizer" / "tokenizer.json").is_file()
     assert manifest["assets"]["corpus_documents"] > 100 and 0 < manifest["bytes"] < 60 * 2**20
+
+
+def _rehearsal():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_bundle
+        import gpu_rehearsal
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return gpu_rehearsal, gpu_bundle
+
+
+def test_the_image_list_is_the_image_at_the_low_end_of_the_torch_range():
+    """``make gpu-rehearsal``'s list (benchmarks/gpu_image.txt): none of the packages the bundle carries because
+    the image lacks them; the ones the bundle pins at the image's other version; torch at the oldest supported."""
+    from importlib.metadata import version
+
+    from qat_app.preflight import TORCH_RANGE
+
+    rehearsal, bundle = _rehearsal()
+    listed = rehearsal.image_packages(rehearsal.IMAGE_LIST.read_text())
+    assert listed["torch"] == "2.11.0" and listed["transformers"] == "5.17.0" and listed["numpy"] == "2.5.2"
+    assert not {rehearsal.normalized(n) for n in bundle.MISSING} & set(listed)
+    for name in bundle.PINNED:  # there in another version (or not recorded), shadowed by the bundle's
+        assert listed.get(rehearsal.normalized(name), "not listed") != version(name), name
+    assert tuple(int(p) for p in listed["torch"].split(".")[:2]) == TORCH_RANGE[0]
+    assert all(re.fullmatch(r"\d+(\.\d+)+", v) for v in listed.values()), listed  # every one pinned
+
+
+def test_the_rehearsal_passes_only_when_the_bundle_and_every_cpu_stage_are_ok():
+    rehearsal, _ = _rehearsal()
+    rows = [("stage", "status", "seconds", "figure"), ("bundle", "ok", "", "21 wheels"), ("gpu", "NONE", "", "--cpu"),
+            ("kernels", "ok", "90", "19 passed"), ("step", "WAITS", "", "needs a GPU")]
+    table = _validation().table(rows)
+    assert rehearsal.table_problems(table) == []
+    rows[3] = ("kernels", "FAILED", "90", "10 failed, 9 passed")
+    rows[1] = ("bundle", "MISSING", "", "no bundle")
+    assert rehearsal.table_problems(_validation().table(rows)) == ["bundle MISSING", "kernels FAILED"]
+    assert rehearsal.table_problems("") == ["no table"]
+
+
+def test_without_a_python_312_the_rehearsal_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    rehearsal, _ = _rehearsal()
+    monkeypatch.delenv("QAT_APP_PYTHON312", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no python3.12, no pyenv
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "pyenv"))
+    assert rehearsal.find_python312() is None
+    assert rehearsal.main(["--venv", str(tmp_path / "venv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: gpu-rehearsal needs a Python 3.12") and "pyenv install" in err
+    assert not (tmp_path / "venv").exists()

@@ -365,6 +365,23 @@ def test_only_what_changes_the_numbers_must_match(tmp_path):
             rp.build_report(base, [other], tmp_path / "out")
 
 
+def test_a_run_saved_with_the_lm_limit_on_the_trainer_pairs_with_one_saved_with_it_on_the_data(tmp_path):
+    """Runs saved before the LM validation's limit moved to the data (``trainer.limit_val_batches: 50``) pair with
+    runs saved after (``data.init_args.limit_val_batches: 50``); a different limit does not."""
+    arc = records("arc_challenge", _correct(100, 50), 3)
+    before = config(tmp_path / "base", False, **{"trainer.limit_val_batches": 50})
+    base = make_run(tmp_path / "base", False, final=arc, cfg=before)
+    for name, limit, pairs in (("same", 50, True), ("other", 20, False)):
+        after = config(tmp_path / name, True, **{"trainer.limit_val_batches": None})
+        after["data"] = {"init_args": {"limit_val_batches": limit}}
+        qat = make_run(tmp_path / name, True, final=arc, cfg=after)
+        if pairs:
+            assert rp.build_report(base, [qat], tmp_path / "out")["warnings"] == []
+        else:
+            with pytest.raises(rp.ReportError, match=r"data\.init_args\.limit_val_batches: 50 vs 20"):
+                rp.build_report(base, [qat], tmp_path / "out")
+
+
 def test_config_mismatch_is_refused_and_force_warns(tmp_path, capsys):
     arc = records("arc_challenge", _correct(100, 50), 3)
     base = make_run(tmp_path / "base", False, final=arc)

@@ -80,7 +80,7 @@ def test_fit_prints_summary_and_counts_steps(tmp_path, tiny_model_dir, tiny_corp
     acc, acc_norm, n = last("val/arc_challenge/acc"), last("val/arc_challenge/acc_norm"), last("val/arc_challenge/count")
     assert n == 6
     assert (f"arc_challenge acc {acc:.4f} +- {math.sqrt(acc * (1 - acc) / (n - 1)):.4f}   "
-            f"acc_norm {acc_norm:.4f} +- {math.sqrt(acc_norm * (1 - acc_norm) / (n - 1)):.4f}   n=6") in block
+            f"acc_norm {acc_norm:.4f} +- {math.sqrt(acc_norm * (1 - acc_norm) / (n - 1)):.4f}   n=6/6") in block
     # saturation from the file AmaxSaturationCallback wrote first (the summary callback runs after it)
     sat_file = os.path.join("runs", "tiny", "logs", "version_0", "saturation_summary.json")
     sat = json.load(open(sat_file))

@@ -63,7 +63,7 @@ def _one_line(text: str, path: str) -> None:
 
 def test_todays_checkpoints_and_an_older_mains_load_weights_only(tmp_path, tiny_model_dir):
     """Today's hold plain data; an older main's pickled its QuantConfig: the one allowlisted class."""
-    from qat_app.checkpoint import LEGACY_PICKLED_CLASSES
+    from qat_app.safe_load import LEGACY_PICKLED_CLASSES
     from qat_app.export.qat_checkpoint import load_qat_checkpoint
 
     good = save_qat_checkpoint(tmp_path / "good.ckpt", tiny_model_dir)

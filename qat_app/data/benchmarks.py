@@ -6,17 +6,24 @@ and preprocessing (:mod:`qat_app.eval.examples`; the tasks' own modules: :mod:`q
 :mod:`qat_app.eval.hellaswag`, :mod:`qat_app.eval.mmlu`), tokenises them as lm-eval's HFLM does
 (:mod:`qat_app.eval.dataset`) and batches them as packed rows (:mod:`qat_app.eval.layout`), one DataLoader
 per task. The batches are scored by :class:`qat_app.eval.evaluator.BenchmarkEvaluator`.
+
+Every selected example is scored at every validation, exactly once, on any number of ranks:
+:class:`WholeBatchSampler` deals each rank whole batches of the one-process order (a rank a batch short repeats
+batch 0, which the metric counts once), and ``trainer.limit_val_batches`` is the held-out LM validation's
+(``main.py`` hands it to :class:`~qat_app.data.pretrain.PretrainDataModule`); a Lightning limit that would still
+cut a task is refused before training (:meth:`BenchmarkDataModule.check_limit`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import lightning
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from qat_app.errors import ConfigError
 from qat_app.eval.dataset import BenchmarkDataset, tokenize_examples
@@ -27,7 +34,8 @@ from qat_app.eval.tasks import TASK_NAMES, task_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BenchmarkDataModule", "EMBEDDED_SMOLLM2", "MMLU_SUBJECT_CATEGORIES", "resolve_tokenizer"]
+__all__ = ["BenchmarkDataModule", "EMBEDDED_SMOLLM2", "MMLU_SUBJECT_CATEGORIES", "WholeBatchSampler",
+           "resolve_tokenizer"]
 
 
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
@@ -51,6 +59,35 @@ def resolve_tokenizer(name: str):
         directory = list(spec.submodule_search_locations)[0]
         return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     return AutoTokenizer.from_pretrained(name)
+
+
+class WholeBatchSampler(DistributedSampler):
+    """This rank's share of a benchmark: the one-process batches (runs of ``batch_size`` in dataset order) dealt
+    to the ranks in turn; a rank left a batch short repeats batch 0, so every rank runs as many batches (a sharded
+    model's forwards are collective), and :class:`~qat_app.eval.metric.MultipleChoiceMetric` counts the repeat
+    once. Each example is scored in the very batch one process scores it in: the same rows, padding and shared
+    prefix, so the same numbers. A :class:`DistributedSampler`, so Lightning keeps it rather than injecting its
+    own (which interleaves single examples and would change the batches). Use with
+    ``DataLoader(dataset, batch_size=batch_size, sampler=...)``."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: int = 1, rank: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        n = len(dataset)
+        batches = [range(start, min(start + batch_size, n)) for start in range(0, n, batch_size)]
+        mine = batches[rank::num_replicas]
+        self.num_batches = math.ceil(len(batches) / num_replicas)  # the same on every rank
+        mine += batches[:1] * (self.num_batches - len(mine))
+        # only the globally last batch can be short, and it is the last of its rank's: the loader's
+        # chunks of batch_size are exactly these batches
+        self.indices = [i for batch in mine for i in batch]
+        self.batch_size = batch_size
+        self.num_samples = self.total_size = len(self.indices)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
 class BenchmarkDataModule(lightning.LightningDataModule):
@@ -184,6 +221,11 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         self.setup()
 
     def setup(self, stage: str | None = None) -> None:
+        self._load()
+        if stage is not None and getattr(self, "trainer", None) is not None:
+            self.check_limit(self.trainer, stage)
+
+    def _load(self) -> None:
         if self.datasets:
             return
         tokenizer = self.tokenizer
@@ -202,28 +244,69 @@ class BenchmarkDataModule(lightning.LightningDataModule):
 
     def examples(self, task: str) -> list[MultipleChoiceExample]:
         """Rendered examples of a task, indexed by the ``example_id`` in its batches."""
-        self.setup()
+        self._load()
         return self.datasets[_checked_task(task, self.tasks)].examples
 
-    def _dataloaders(self) -> list[DataLoader]:
-        self.setup()
+    def selected(self) -> dict[str, int]:
+        """Per task, how many examples were selected (what every evaluation scores)."""
+        self._load()
+        return {task: len(self.datasets[task]) for task in self.tasks}
+
+    def loaders(self, rank: int = 0, world_size: int = 1) -> list[DataLoader]:
+        """One DataLoader per task: rank ``rank`` of ``world_size``'s whole batches (:class:`WholeBatchSampler`);
+        the defaults give every example to one process."""
+        self._load()
         pad_token_id = _pad_token_id(self.tokenizer)
         return [
             DataLoader(
                 self.datasets[task],
                 batch_size=self.batch_size,
-                shuffle=False,
+                sampler=WholeBatchSampler(self.datasets[task], self.batch_size, world_size, rank),
                 num_workers=self.num_workers,
                 collate_fn=BenchmarkCollator(task, pad_token_id, self.pack_choices, self.share_prefix),
             )
             for task in self.tasks
         ]
 
+    def check_limit(self, trainer, stage: str = "validate") -> None:
+        """Refuse (:class:`ConfigError`, one line naming the task and the counts) a Lightning limit of batches
+        that would leave selected examples unscored: Lightning applies ``trainer.limit_val_batches`` (or
+        ``limit_test_batches``) to every validation dataloader, these included. 0 turns the validation off
+        (nothing is cut); ``main.py`` moves any other value to the held-out LM validation
+        (``data.init_args.limit_val_batches``), so this only meets a Trainer built by hand."""
+        name = "limit_test_batches" if stage == "test" else "limit_val_batches"
+        limit = getattr(trainer, name, 1.0)
+        if limit is None or limit == 0 or (isinstance(limit, float) and limit >= 1.0):
+            return
+        world, _ = _data_parallel(trainer)
+        for task, selected in self.selected().items():
+            batches = math.ceil(math.ceil(selected / self.batch_size) / world)
+            kept = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+            if kept < batches:
+                scored = min(selected, kept * world * self.batch_size)
+                raise ConfigError(
+                    f"trainer.{name}={limit} would cut benchmark {task} to {kept} of its {batches} batches a rank "
+                    f"({scored} of {selected} selected examples scored); it is meant for the held-out LM validation: "
+                    f"give it to the data (data.init_args.limit_val_batches; main.py does), or leave it at 1.0"
+                )
+
+    def _rank_loaders(self) -> list[DataLoader]:
+        world, rank = _data_parallel(getattr(self, "trainer", None))
+        return self.loaders(rank, world)
+
     def val_dataloader(self) -> list[DataLoader]:
-        return self._dataloaders()
+        return self._rank_loaders()
 
     def test_dataloader(self) -> list[DataLoader]:
-        return self._dataloaders()
+        return self._rank_loaders()
+
+
+def _data_parallel(trainer) -> tuple[int, int]:
+    """(data-parallel world size, rank) as Lightning would shard the data: (1, 0) without a distributed trainer."""
+    kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
+    if not kwargs:
+        return 1, 0
+    return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
 
 def _checked_task(task: str, tasks: Sequence[str]) -> str:

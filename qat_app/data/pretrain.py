@@ -25,6 +25,7 @@ A resume is exact only with the same data settings, world size and ``num_workers
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -70,6 +71,27 @@ def _check_settings(*, seq_len, micro_batch_size, doc_batch_size, num_workers, v
         raise ConfigError(f"data.dataset: unknown embedded dataset {dataset!r}; known: {EMBEDDED_BOOLQ!r}")
 
 
+def check_limit_val_batches(limit: int | float | None) -> int | float | None:
+    """``data.limit_val_batches`` as Lightning takes ``limit_val_batches``: None, an int >= 0 or a float in [0, 1]."""
+    if limit is None:
+        return None
+    if (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0
+            or (isinstance(limit, float) and limit > 1)):
+        raise ConfigError(f"data.limit_val_batches must be null, a number of batches >= 0 or a fraction in [0, 1], "
+                          f"got {limit!r}")
+    return limit
+
+
+def limited_items(n: int, batch_size: int, limit: int | float | None) -> int:
+    """How many of ``n`` items in batches of ``batch_size`` a limit of batches keeps, by Lightning's rule for
+    ``limit_val_batches``: an int counts batches, a float is a fraction of them (rounded down), None / 1.0 all."""
+    if limit is None:
+        return n
+    batches = math.ceil(n / batch_size)
+    kept = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    return min(n, kept * batch_size)
+
+
 class PretrainDataModule(L.LightningDataModule):
     """Packed continued-pretraining data (see the module docstrings of :mod:`qat_app.data` for sources,
     sharding, packing, resume).
@@ -100,9 +122,13 @@ class PretrainDataModule(L.LightningDataModule):
             shard-level split over the consumers.
         val_batch_size: validation batch size (default ``micro_batch_size``).
         benchmarks: a :class:`~qat_app.data.benchmarks.BenchmarkDataModule` whose loaders follow the
-            LM-loss loader in validation (benchmark scores during fit; it gets this module's tokenizer).
+            LM-loss loader in validation (benchmark scores during fit; it gets this module's tokenizer). Every
+            selected example is scored at every validation, whatever ``limit_val_batches`` says.
         revision: hub dataset revision.
         trust_remote_code: passed to the tokenizer loading.
+        limit_val_batches: held-out LM batches a validation scores, per rank, with Lightning's rule (an int counts
+            batches, 0 none; a float is a fraction of them; None all). ``main.py`` moves ``trainer.limit_val_batches``
+            here, so it limits the LM validation only and never the benchmarks.
     """
 
     def __init__(
@@ -131,6 +157,7 @@ class PretrainDataModule(L.LightningDataModule):
         revision: str | None = None,
         trust_remote_code: bool = False,
         benchmarks: "BenchmarkDataModule | None" = None,
+        limit_val_batches: int | float | None = None,
     ):
         super().__init__()
         if isinstance(tokenizer, str):
@@ -153,6 +180,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size or micro_batch_size
         self.revision, self.trust_remote_code = revision, trust_remote_code
         self.benchmarks = benchmarks  # benchmark validation during fit, after the LM-loss loader
+        self.limit_val_batches = check_limit_val_batches(limit_val_batches)
         self._tokenizer = None if isinstance(tokenizer, str) else tokenizer
         self._source: Source | None = None
         self._layouts: dict[bool, Layout] = {}
@@ -218,6 +246,8 @@ class PretrainDataModule(L.LightningDataModule):
         self.prepare_data()
         self.layout(world_size * max(1, self.num_workers))
         next(iter(self.make_train_dataset(0, world_size)))  # rank 0's first block: reads, tokenises, packs
+        if self.val_documents > 0 and self.limit_val_batches != 0:
+            self.val_blocks(0, world_size)  # enough held-out blocks for the devices, and limit_val_batches keeps some
         if self.benchmarks is not None:
             self.benchmarks.set_tokenizer(self.tokenizer)
             self.benchmarks.setup()
@@ -234,6 +264,9 @@ class PretrainDataModule(L.LightningDataModule):
             _, world = self._dp()
             self.layout(world * max(1, self.num_workers))
             _ = self.tokenizer
+        if self.benchmarks is not None and stage in ("fit", "validate") and self.trainer is not None:
+            self.benchmarks.set_tokenizer(self.tokenizer)
+            self.benchmarks.check_limit(self.trainer, stage)  # a Lightning limit cutting a task stops here
 
     def train_dataloader(self):
         rank, world = self._dp()
@@ -260,7 +293,7 @@ class PretrainDataModule(L.LightningDataModule):
 
     def val_dataloader(self):
         loaders = []
-        if self.val_documents > 0:
+        if self.val_documents > 0 and self.limit_val_batches != 0:
             rank, world = self._dp()
             loaders.append(self.make_val_dataloader(rank, world))
         if self.benchmarks is not None:
@@ -308,7 +341,8 @@ class PretrainDataModule(L.LightningDataModule):
             )
 
     def val_blocks(self, rank: int, world_size: int) -> torch.Tensor:
-        """This rank's held-out validation blocks ``[n, seq_len]`` (equal ``n`` on every rank)."""
+        """This rank's held-out validation blocks ``[n, seq_len]`` that a validation scores (equal ``n`` on every
+        rank; ``limit_val_batches`` applied)."""
         if self._val_blocks is None:
             layout = self.layout(world_size * max(1, self.num_workers))
             self._val_blocks = pack_texts(self.tokenizer, layout.val_texts, self.seq_len)
@@ -319,7 +353,12 @@ class PretrainDataModule(L.LightningDataModule):
                 f"data.val_documents={self.val_documents} of {self.source.name} pack into {blocks.shape[0]} block(s) "
                 f"of data.seq_len={self.seq_len} tokens, fewer than the {world_size} device(s); hold out more documents"
             )
-        return blocks[rank * per_rank : (rank + 1) * per_rank]
+        kept = limited_items(per_rank, self.val_batch_size, self.limit_val_batches)
+        if kept == 0 and self.limit_val_batches != 0:
+            batches = math.ceil(per_rank / self.val_batch_size)
+            raise ConfigError(f"data.limit_val_batches={self.limit_val_batches} keeps none of the {batches} held-out "
+                              "LM batches a rank; raise it, or 0 for none")
+        return blocks[rank * per_rank : rank * per_rank + kept]
 
     def make_val_dataloader(self, rank: int, world_size: int):
         from torch.utils.data import DataLoader
@@ -336,5 +375,6 @@ class PretrainDataModule(L.LightningDataModule):
 __all__ = [
     "DataError",  # raised here; defined in qat_app.data.errors
     "PretrainDataModule",
+    "limited_items",
     "derive_accumulate_grad_batches",  # used here; defined in qat_app.data.batching
 ]

@@ -47,12 +47,27 @@ def _forward_support(model: nn.Module) -> _ForwardSupport:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     # the rest only when named: a **kwargs wrapper may forward them somewhere that rejects them
     cache_argument = next((name for name in ("cache", "past_key_values") if name in parameters), None)
+    if _sharded(model):
+        # every forward of an FSDP2 model is a collective (its blocks all-gather their weights): a prefix forward
+        # that one rank's batch shares and another's does not would leave the ranks waiting on each other, so a
+        # sharded model puts the prefix back in front of every row (the same scores, one forward a batch)
+        cache_argument = None
     return _ForwardSupport(
         position_ids="position_ids" in parameters or takes_any,
         logits_to_keep="logits_to_keep" in parameters,
         use_cache="use_cache" in parameters,
         cache_argument=cache_argument if "use_cache" in parameters else None,
     )
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds FSDP2-sharded blocks (``fully_shard``) in a process group of several ranks."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -221,9 +236,13 @@ def evaluate(
     evaluator: BenchmarkEvaluator | None = None,
     progress: bool = False,
 ) -> dict[str, float]:
-    """Plain loop (no Trainer) over the datamodule's val or test loaders; returns metrics as floats."""
+    """Plain loop (no Trainer) over the datamodule's val or test loaders, every example in this one process;
+    returns metrics as floats."""
     datamodule.setup(stage)
-    loaders = datamodule.val_dataloader() if stage == "validate" else datamodule.test_dataloader()
+    if callable(getattr(datamodule, "loaders", None)):  # a BenchmarkDataModule: unsharded, whatever trainer it has
+        loaders = datamodule.loaders()
+    else:
+        loaders = datamodule.val_dataloader() if stage == "validate" else datamodule.test_dataloader()
     evaluator = evaluator or BenchmarkEvaluator(datamodule.task_names)
     device = next(model.parameters()).device
     evaluator.to(device)

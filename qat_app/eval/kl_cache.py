@@ -216,17 +216,19 @@ def _gather(pl_module, t: torch.Tensor) -> torch.Tensor:
 
 def held_out_blocks(trainer) -> tuple[torch.Tensor, int, int] | None:
     """-> (this rank's held-out LM blocks ``[n, seq_len]``, the validation batch size, how many of them a
-    validation scores under ``trainer.limit_val_batches``), or None when the data has no LM validation."""
+    validation scores), or None when the data has no LM validation. The data's ``limit_val_batches`` (where
+    ``main.py`` puts ``trainer.limit_val_batches``: the LM validation's alone) is applied by ``val_blocks``; a
+    trainer's own limit, by Lightning's rule, on top."""
+    from qat_app.data.pretrain import limited_items
+
     datamodule = trainer.datamodule
     if not callable(getattr(datamodule, "val_blocks", None)) or not getattr(datamodule, "val_documents", 0):
         return None
+    if getattr(datamodule, "limit_val_batches", None) == 0:
+        return None
     blocks = datamodule.val_blocks(trainer.global_rank, trainer.world_size)
     batch_size = int(getattr(datamodule, "val_batch_size", None) or 1)
-    limit, n = trainer.limit_val_batches, blocks.shape[0]
-    if isinstance(limit, int):
-        n = min(n, limit * batch_size)
-    elif limit < 1.0:
-        n = min(n, int(math.ceil(n / batch_size) * limit) * batch_size)
+    n = limited_items(blocks.shape[0], batch_size, trainer.limit_val_batches)
     return (blocks, batch_size, n) if n > 0 else None
 
 
@@ -404,7 +406,7 @@ class InitialKL:
             return None
         if int(flags[:, 0].min()) < n:
             self._off(f"the validation scored {int(flags[:, 0].min())} of the cache's {n} sequences per rank "
-                      "(trainer.limit_val_batches changed?)")
+                      "(limit_val_batches changed?)")
             return None
         sums = _gather(pl_module, torch.cat(self._sums)).flatten()
         mean, low, high = interval(sums.double() / L)

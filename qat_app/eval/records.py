@@ -45,12 +45,15 @@ def recorded_steps(log_dir: str, prefix: str = "val") -> list[int]:
     return sorted(int(m.group(2)) for m in map(RECORDS_NAME.match, names) if m and m.group(1) == prefix)
 
 
-def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list | None, step: int) -> list[dict]:
+def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list | None, step: int,
+                selected: int | None = None) -> list[dict]:
     """JSON-ready rows, one per example: task, doc_id (the doc's index in its split, as lm-eval's samples
     count it; for MMLU within its subject), subject, gold, per-choice log-likelihoods, both predictions
-    and whether each is correct. ``examples``: the datamodule's rendered examples, by example id; with them each
-    row also holds its choices' lengths in characters and in UTF-8 bytes (``choice_chars``, ``choice_bytes``,
-    of the choice strings without the delimiter, as lm-eval's acc_norm / acc_bytes count them) and its
+    and whether each is correct; with ``selected``, the task's number of selected examples (the rows of a
+    task are the examples scored: every evaluation scores them all). ``examples``: the datamodule's rendered
+    examples, by example id; with them each row also holds its choices' lengths in characters and in UTF-8
+    bytes (``choice_chars``, ``choice_bytes``, of the choice strings without the delimiter, as lm-eval's
+    acc_norm / acc_bytes count them) and its
     ``cluster`` (:attr:`~qat_app.eval.spec.TaskSpec.cluster_field`: MMLU subject, HellaSwag source_id; None for
     ARC), which :mod:`qat_app.eval.measures` uses."""
     from qat_app.eval.metric import MAX_RECORDED_CHOICES
@@ -77,6 +80,7 @@ def record_rows(task: str, records: Mapping[str, torch.Tensor], examples: list |
             "acc_norm": int(columns["acc_norm"][i]),
             **lengths,
             "step": step,
+            **({"selected": selected} if selected is not None else {}),
         })
     return rows
 
@@ -98,18 +102,29 @@ def write_records(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
 
 
 def write_benchmark_records(records: Mapping[str, Mapping[str, torch.Tensor]], datamodule, log_dir: str,
-                            prefix: str, step: int) -> str:
+                            prefix: str, step: int, selected: Mapping[str, int] | None = None) -> str:
     """Write the evaluator's ``records`` (by task; :meth:`BenchmarkEvaluator.compute_with_records`) of one
     evaluation at optimizer ``step``, with each example's doc id and subject from the benchmark
-    ``datamodule`` (when it renders ``examples(task)``), to :func:`records_path`; returns the path."""
+    ``datamodule`` (when it renders ``examples(task)``) and each task's ``selected`` count, to
+    :func:`records_path`; returns the path."""
     rows = []
     for task, task_records in records.items():
         examples = datamodule.examples(task) if hasattr(datamodule, "examples") else None
-        rows += record_rows(task, task_records, examples, step)
+        rows += record_rows(task, task_records, examples, step, (selected or {}).get(task))
     path = records_path(log_dir, prefix, step)
     write_records(path, rows)
     log.info("benchmark records of %d examples written to %s", len(rows), path)
     return path
+
+
+def scored_counts(rows: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int | None]]:
+    """Per task of a records file's rows: (examples scored, examples selected; None in records written before
+    the count was)."""
+    out: dict[str, tuple[int, int | None]] = {}
+    for row in rows:
+        scored, selected = out.get(row["task"], (0, row.get("selected")))
+        out[row["task"]] = (scored + 1, selected)
+    return out
 
 
 def read_noise_floor(path: str | os.PathLike) -> dict | None:

@@ -46,8 +46,8 @@ def export_parser(prog: str) -> ProgramParser:
         description="Export a QATModule Lightning checkpoint as an 8-bit HiF8 checkpoint, a plain HF directory, or an "
                     "FP8 compressed-tensors checkpoint for vLLM.",
     )
-    parser.add_argument("--ckpt_path", required=True, metavar="FILE", help="Lightning checkpoint (.ckpt) of a QATModule "
-                        "(also --ckpt, deprecated)")
+    parser.add_argument("--ckpt_path", required=True, metavar="FILE|DIR", help="Lightning checkpoint of a QATModule: a "
+                        ".ckpt file, or the directory of a sharded (FSDP2) one, read whole (also --ckpt, deprecated)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--format", choices=("hif8", "hf", FORMAT_NAME), default="hif8",
                         help="hif8: the 8-bit HiF8 checkpoint (exact reloads); hf: plain Hugging Face; "

@@ -13,20 +13,21 @@ log = logging.getLogger(__name__)
 
 
 def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trust_remote_code: bool = False):
-    """A ``QATModule`` restored from a Lightning checkpoint (hyper-parameters + state dict), in eval mode.
+    """A ``QATModule`` restored from a Lightning checkpoint (hyper-parameters + state dict), in eval mode: a file,
+    or a sharded (FSDP2) checkpoint directory read whole on this process (:func:`qat_app.checkpoint.read_checkpoint`).
 
     The file is read as data (``weights_only``; the classes earlier versions pickled are allowlisted in
     :mod:`qat_app.checkpoint`); ``trust_remote_code`` is the caller's, whatever the checkpoint's hyper-parameters
     say. Raises :class:`qat_app.errors.CheckpointError` naming the file when it is unreadable or truncated, not a
     QATModule checkpoint, or (:class:`qat_app.errors.UnsafeFileError`) holds pickled code.
     """
-    from ..checkpoint import load_checkpoint_file
+    from ..checkpoint import read_checkpoint
     from ..module import CHECKPOINT_KEY, QATModule
 
     path = str(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist (--ckpt_path)")
-    ckpt = load_checkpoint_file(path, weights_only=weights_only)
+    ckpt = read_checkpoint(path, weights_only=weights_only)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
     hparams = ckpt.get("hyper_parameters") or {}

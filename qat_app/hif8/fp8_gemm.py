@@ -127,9 +127,11 @@ def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 def _gather(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """``table[codes]``: one kernel on a GPU (compiled: the index widening fused into the gather)."""
-    from .backends.compiled import compiled_function
+    if not codes.is_cuda:
+        return counted_call("e4m3_from_codes", _lookup, table, codes)
+    from .backends.compiled import run_compiled
 
-    return counted_call("e4m3_from_codes", compiled_function(_lookup) if codes.is_cuda else _lookup, table, codes)
+    return run_compiled(_lookup, table, codes, name="e4m3_from_codes")
 
 
 def fp8_mm(parts_a: list[tuple[torch.Tensor, float]], rows: int, parts_b: list[tuple[torch.Tensor, float]], cols: int,

@@ -13,19 +13,15 @@ See ``docs/diagnostics/health.md`` for the logged figures and ``docs/diagnostics
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 
 import torch
 
-from .backends.compiled import compiled_function, compiles_exact_division
-from .kernel_count import counted_call
+from .backends.compiled import compiles_exact_division, run_compiled
 from .backends.reference import current_scale, dequantized, raw_current_scale, whatif_counts
 from .formats import Float8Format, _f32_bits, _mantissa_bits
 from .recipe import AMAX_ALGOS
 
-log = logging.getLogger(__name__)
 
 WHATIF_ALGOS = AMAX_ALGOS  # one what-if count per estimator, in this order
 DELAYED_ALGOS = tuple(a for a in WHATIF_ALGOS if a != "current")  # the ones whose scale the scaler keeps
@@ -225,20 +221,12 @@ def whatif_clipped(x: torch.Tensor, delayed_scales: torch.Tensor, amax: torch.Te
 
 
 # ----------------------------------------------------------------------------------------------- how they run
-_compile_failed: set = set()  # the functions whose compilation failed here ("auto" then runs them in plain torch)
-
-
 def _run(fn, fused: str, *args):
     """``fn(*args)`` as the fake quantization runs (``fused``): "off" plain torch; "auto"/"on" compiled
     (torch.compile: a few fused passes over the tensor instead of dozens; also on the Triton path, whose kernel
-    does not compute these), "auto" falling back to plain torch (same numbers) where the compiler fails.
-    Tensors come detached (``requires_grad`` would be one more compilation)."""
-    if fused != "off" and fn not in _compile_failed and os.environ.get("QAT_APP_NO_COMPILE") != "1":
-        try:
-            return counted_call(fn.__name__, compiled_function(fn), *args)
-        except Exception as err:
-            if fused == "on":
-                raise
-            _compile_failed.add(fn)
-            log.warning("torch.compile of %s failed (%s); using plain torch", fn.__name__, err)
-    return fn(*args)
+    does not compute these), "auto" falling back to plain torch (same numbers) for a function that fails to compile
+    (:func:`.backends.compiled.run_compiled`). Tensors come detached (``requires_grad`` would be one more
+    compilation)."""
+    if fused == "off":
+        return fn(*args)
+    return run_compiled(fn, *args, required=fused == "on")

@@ -17,7 +17,7 @@ from .health import health_stats, whatif_stats
 from .health_figures import HEALTH_FIGURES, plot_sqnr_heatmap, plot_tiers, plot_whatif
 from .measures_table import compare_measures, measure_tasks
 from .runs import (ReportError, Run, default_label, inventory_stats, last_value, load_run, precision_name, quantized,
-                   warmup_switch_step)
+                   scored_examples, scored_line, warmup_switch_step)
 from .tables import json_safe, render_markdown, write_csv
 
 log = logging.getLogger("qat_app.report")
@@ -67,6 +67,10 @@ def _run_warnings(baseline: Run, qats: list[Run], force: bool) -> list[str]:
     for run in [baseline] + qats:
         if not run.train_loss():
             warnings.append(f"`{run.label}`: no train/loss rows in {', '.join(map(str, run.files))}")
+        short = {task: c for task, c in scored_examples(run).items() if c[1] is not None and c[0] < c[1]}
+        if short:
+            warnings.append(f"`{run.label}`: its last validation did not score every selected benchmark example "
+                            f"({scored_line(short)} scored / selected)")
     return warnings
 
 
@@ -108,6 +112,7 @@ def _qat_result(run: Run, baseline: Run, rows: list[dict], ape_from_step: int, m
         "benchmarks": rows, "mean_relative_drop_pct": sum(main_drops) / len(main_drops) if main_drops else math.nan,
         "train_loss_ape_pct": ape, "ape_common_steps": n, "final_train_loss": last_value(run.train_loss()),
         "final_val_loss": run.last("val/loss"), "saturation": saturation_stats(run), "arc_check": arc_check(rows),
+        "scored": scored_examples(run),
         "quantized_modules": inventory_stats(run),
         "whatif": whatif_stats(run), "health": health_stats(run),
         "kl_baseline_qat": kl_baseline_qat(baseline, run), "noise_floor": noise_floor_of(run),
@@ -133,7 +138,8 @@ def _baseline_entry(baseline: Run, base_eval, keys) -> dict:
     return {"label": baseline.label, "path": str(baseline.path), "precision": precision_name(baseline),
             "config": str(baseline.config_path) if baseline.config_path else None,
             "files": [str(f) for f in baseline.files], "final_train_loss": last_value(baseline.train_loss()),
-            "final_val_loss": baseline.last("val/loss"), "benchmarks": {k: base_eval.values[k] for k in keys}}
+            "final_val_loss": baseline.last("val/loss"), "benchmarks": {k: base_eval.values[k] for k in keys},
+            "scored": scored_examples(baseline)}
 
 
 def build_report(

@@ -127,11 +127,22 @@ def compare_metric(key: str, before: Evaluation, after: Evaluation, resamples: i
 def config_differences(base: dict, other: dict) -> list[str]:
     """Fields that change the numbers (:data:`COMPARED_CONFIG`, quantization aside) in which two configs differ,
     as 'key: a vs b'."""
-    a, b = flatten(base), flatten(other)
+    a, b = _lm_limit_on_data(flatten(base)), _lm_limit_on_data(flatten(other))
     return [f"{k}: {a.get(k, '<absent>')!r} vs {b.get(k, '<absent>')!r}"
             for k in sorted(set(a) | set(b), key=natural_key)
             if a.get(k, "<absent>") != b.get(k, "<absent>") and COMPARED_CONFIG.match(k)
             and not ALLOWED_CONFIG_DIFFERENCES.match(k)]
+
+
+def _lm_limit_on_data(flat: dict) -> dict:
+    """A saved config's LM validation limit where a run today keeps it: ``trainer.limit_val_batches`` (other than
+    0 or all) is ``data.init_args.limit_val_batches`` (:func:`qat_app.preflight.route_limit_val_batches`), so a run
+    saved before it was moved pairs with one saved after."""
+    limit = flat.get("trainer.limit_val_batches")
+    if (limit is None or limit == 0 or (isinstance(limit, float) and limit == 1.0)
+            or flat.get("data.init_args.limit_val_batches") is not None):
+        return flat
+    return {**flat, "trainer.limit_val_batches": None, "data.init_args.limit_val_batches": limit}
 
 
 def check_pair(baseline: Run, qat: Run, force: bool) -> list[str]:

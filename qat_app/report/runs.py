@@ -248,6 +248,24 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     return run
 
 
+def scored_examples(run: Run, split: str = "val") -> dict[str, tuple[int, int | None]]:
+    """Per benchmark task, (examples scored, examples selected) at the run's last evaluation (``<split>/<task>/count``
+    and ``/selected``; selected None for a run made before it was logged)."""
+    out = {}
+    for column in sorted(run.columns, key=natural_key):
+        parts = column.split("/")
+        if len(parts) == 3 and parts[0] == split and parts[2] == "count":
+            scored, selected = run.last(column), run.last(f"{split}/{parts[1]}/selected")
+            if scored is not None:
+                out[parts[1]] = (int(scored), None if selected is None else int(selected))
+    return out
+
+
+def scored_line(counts: dict[str, tuple[int, int | None]]) -> str:
+    """``arc_challenge 25/25, mmlu 80/80`` (scored / selected; only the scored count where selected is unknown)."""
+    return ", ".join(f"{task} {n}/{of}" if of is not None else f"{task} {n}" for task, (n, of) in counts.items())
+
+
 def default_label(path: str | os.PathLike) -> str:
     p = Path(path).expanduser().absolute()
     if p.name == METRICS_FILE:

@@ -11,7 +11,8 @@ from .distortion import render_distortion, render_floor
 from .health import health_scalars, render_fallback, render_forecast, render_headroom, render_health, render_whatif
 from .measures_table import MEASURE_CSV_COLUMNS, csv_rows, has_measures, render_measures
 from ..hif8.inventory import INVENTORY_FILE, block_ranges
-from .runs import CONFIG_FILE, SUMMARY_FILE, Run, inventory_stats, last_value, precision_name, quantized
+from .runs import (CONFIG_FILE, SUMMARY_FILE, Run, inventory_stats, last_value, precision_name, quantized,
+                   scored_examples, scored_line)
 
 
 def _fmt(value, spec: str = ".4f") -> str:
@@ -57,6 +58,12 @@ def _describe(run: Run) -> str:
             f"{run.config_path}{_describe_inventory(run) if quantized(run) else ''})")
 
 
+def _scored(run: Run) -> list[str]:
+    """The sub-item saying, per benchmark task, the examples its last validation scored of those selected."""
+    counts = scored_examples(run)
+    return [f"  - benchmark examples scored / selected (last validation): {scored_line(counts)}"] if counts else []
+
+
 def _describe_inventory(run: Run) -> str:
     """What the fit quantized (its quantized_modules.json), or that an older run did not record it."""
     stats = inventory_stats(run)
@@ -71,7 +78,9 @@ def _render_header(baseline: Run, qats: list[Run], initial: Evaluation | None, w
     """The title, what each run is, the warnings, and how to read the Δ / CI / n columns."""
     q_names = ", ".join(f"`{r.label}`" for r in qats)
     lines = [f"# {q_names} vs `{baseline.label}`", "", f"- baseline `{baseline.label}`: {_describe(baseline)}"]
-    lines += [f"- QAT `{run.label}`: {_describe(run)}" for run in qats]
+    lines += _scored(baseline)
+    for run in qats:
+        lines += [f"- QAT `{run.label}`: {_describe(run)}", *_scored(run)]
     lines.append(f"- initial model: {initial.source}" if initial else
                  "- initial model: **not available** (no step-0 benchmark evaluation in the baseline and no --initial): "
                  "only the quantization difference is shown")

@@ -1,7 +1,9 @@
 """The reference backend: the contract of :mod:`.base` in plain torch, op for op what the others must match.
 
 Every op is exact (bit manipulation, multiplication by the scale, IEEE division by the scale), which
-is what lets torch.compile and the Triton kernel agree with it bit for bit. A compiler whose division is not
+is what lets torch.compile and the Triton kernel agree with it bit for bit. These functions run under torch.compile
+on every supported torch (2.11 to 2.13): a result is built with ``FakeQuantResult(...)``, never ``_replace`` (which
+torch 2.11's dynamo fails on). A compiler whose division is not
 IEEE's (inductor's Triton code on CUDA divides approximately) compiles :func:`quantize_to_grid` and
 :func:`decode_grid`, which hold no division, and divides with :func:`divide_by_scale` in plain torch.
 """
@@ -20,8 +22,8 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, max_val: float, clip_thr
                   want_codes: bool, noise: torch.Tensor | None, grid: bool = False,
                   whatif_scales: torch.Tensor | None = None) -> FakeQuantResult:
     result = quantize_to_grid(x, scale, max_val, clip_threshold, fmt_name, want_codes, noise, whatif_scales)
-    if grid:
-        return result._replace(grid=result.grid.to(x.dtype))
+    if grid:  # built with the constructor, not ``_replace``: torch 2.11's dynamo cannot compile ``_replace``
+        return FakeQuantResult(None, result.amax, result.clipped, result.codes, result.grid.to(x.dtype), result.whatif)
     return divide_by_scale(result, scale, x.dtype)
 
 
@@ -43,7 +45,8 @@ def quantize_to_grid(x: torch.Tensor, scale: torch.Tensor, max_val: float, clip_
 
 def divide_by_scale(result: FakeQuantResult, scale: torch.Tensor, dtype: torch.dtype) -> FakeQuantResult:
     """:func:`quantize_to_grid`'s result with ``(q / scale).to(dtype)`` as its output, the float32 grid dropped."""
-    return result._replace(dequantized=dequantized(result.grid, scale, dtype), grid=None)
+    return FakeQuantResult(dequantized(result.grid, scale, dtype), result.amax, result.clipped, result.codes, None,
+                           result.whatif)
 
 
 def dequantized(grid: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
