@@ -61,13 +61,19 @@ def test_fp8_check_script_runs_on_the_cpu_and_reports_agreement():
     assert len(errors) == 3 and all(0 <= e < 1e-6 for e in errors), line  # fp32 on the CPU: accumulation order only
 
 
-def _validation():
+def _benchmarks(*names: str):
+    """The scripts ``benchmarks/<name>.py`` as modules (they import each other by bare name)."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import gpu_validation
+        return [importlib.import_module(name) for name in names]
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return gpu_validation
+
+
+def _validation():
+    return _benchmarks("gpu_validation")[0]
 
 
 def test_a_missing_or_foreign_bundle_is_one_line_and_nothing_is_installed(tmp_path):
@@ -143,13 +149,7 @@ def test_the_bundle_holds_wheels_for_the_gpu_python_and_the_assets(tmp_path):
 
 
 def _rehearsal():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_bundle
-        import gpu_rehearsal
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return gpu_rehearsal, gpu_bundle
+    return _benchmarks("gpu_rehearsal", "gpu_bundle")
 
 
 def test_the_image_list_is_the_image_at_the_low_end_of_the_torch_range():
