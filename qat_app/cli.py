@@ -40,8 +40,8 @@ from qat_app.checkpoint import (check_given_checkpoint, is_checkpoint_file_arg, 
                                 settings_dict)
 from qat_app.errors import ConfigError, QATError
 from qat_app.module import QATModule
-from qat_app.sharded_checkpoint import looks_sharded, sharded_hparams
 from qat_app.quiet import quiet_library_notices
+from qat_app.sharded_checkpoint import looks_sharded, sharded_hparams
 from qat_app.step_profile import StepProfiler
 
 log = logging.getLogger("qat_app.cli")
