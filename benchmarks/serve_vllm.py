@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine_dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the dtype vLLM serves in (default bfloat16, as users serve)")
     parser.add_argument("--dtype", default=None, help="the export's --dtype of the unquantized tensors")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds the engine may take in all (default 1800); past them it is stopped and one line "
+                             "names its kernels and this CPU")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="let transformers run the model's own code (never taken from the checkpoint)")
     args, data_args = parser.parse_known_args(argv)
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         benchmarks = None if args.no_benchmarks else getattr(datamodule, "benchmarks", None)
         module = load_qat_checkpoint(args.ckpt_path, trust_remote_code=args.trust_remote_code)
         check = engine_check.check_with_engine(module, out, blocks, benchmarks, python=python, top_k=args.top_k,
-                                                 dtype=args.engine_dtype)
+                                                 dtype=args.engine_dtype, timeout=args.timeout)
         check.seconds = {**times, **check.seconds}
         check.run_floor = run_floor(["--config", args.config])
     except (QATError, FileNotFoundError, FileExistsError) as err:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 import torch
@@ -88,6 +89,27 @@ def test_bad_environment_export_and_version_are_one_line(tmp_path):
         engine_check.run_engine(python, {"model": str(tmp_path)})
     with pytest.raises(FileNotFoundError, match="not an FP8 export"):
         engine_check.check_with_engine(None, tmp_path, None, python=python)
+
+
+def test_an_engine_past_its_time_limit_is_stopped_and_named_in_one_line(tmp_path):
+    """A worker that selects its kernel and then makes no progress (as vLLM's FP8 linear did on an AMX CPU): stopped
+    at the limit, one line naming the kernel and this CPU, the engine's output kept in the log."""
+    fake = tmp_path / "venv" / "bin"
+    fake.mkdir(parents=True)
+    python = fake / "python"
+    python.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.32.0; exit 0; fi\n'
+                      'echo "INFO Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8" >&2\n'
+                      "exec sleep 60\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    started = time.monotonic()
+    with pytest.raises(EngineError) as err:
+        engine_check.run_engine(python, {"model": str(tmp_path)}, timeout=3)
+    assert time.monotonic() - started < 30
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"vLLM did not finish serving {tmp_path} within 3 s")
+    assert "its linear kernels: ChannelWiseTorchFP8ScaledMMLinearKernel" in message
+    assert f"this CPU: {engine_check.cpu_features()}" in message and ("AMX" in message)
+    assert "Selected ChannelWiseTorchFP8ScaledMMLinearKernel" in (tmp_path / engine_check.ENGINE_LOG).read_text()
 
 
 # --------------------------------------------------------------------------------------------- the real engine

@@ -93,8 +93,34 @@ def has_lm_eval(python: Path) -> bool:
     return subprocess.run([str(python), "-c", "import lm_eval"], capture_output=True).returncode == 0
 
 
+def cpu_features() -> str:
+    """This machine's CPU in a few words: its model and the matrix / vector extensions vLLM's CPU kernels choose by
+    (AMX, AVX-512 BF16 / VNNI, AVX2), read from /proc/cpuinfo (``unknown CPU`` where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return "unknown CPU"
+    model, flag_line = re.search(r"^model name\s*:\s*(.+)$", text, re.M), re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    flags = set(flag_line.group(1).split()) if flag_line else set()
+    amx = [f for f in ("amx_tile", "amx_bf16", "amx_int8", "amx_fp16") if f in flags]
+    vector = [f for f in ("avx512_bf16", "avx512_vnni", "avx512f", "avx2") if f in flags]
+    return (f"{model.group(1).strip() if model else 'unknown CPU'} ({os.cpu_count()} cores; "
+            f"{'AMX: ' + ' '.join(amx) if amx else 'no AMX'}; {' '.join(vector) or 'no AVX2'})")
+
+
+def stalled(model: str, timeout: float, output: str) -> EngineError:
+    """The one line for an engine that did not finish within ``timeout``: the kernels it had selected (its log's
+    ``Selected ... for ...`` lines, where it stalls) and this CPU."""
+    kernels = sorted({kernel for kernel, _ in KERNEL_LINE.findall(output)})
+    return EngineError(f"vLLM did not finish serving {model} within {timeout:.0f} s (its linear kernels: "
+                       f"{', '.join(kernels) or 'none selected yet, still loading'}; this CPU: {cpu_features()}); "
+                       f"log: {Path(model) / ENGINE_LOG}")
+
+
 def run_engine(python: Path, request: dict, timeout: float = 3600.0) -> tuple[dict, dict[str, str]]:
-    """Run :mod:`.vllm_worker` on ``request`` -> (its result, {layer scheme: the kernel vLLM selected})."""
+    """Run :mod:`.vllm_worker` on ``request`` -> (its result, {layer scheme: the kernel vLLM selected}); an engine
+    still running after ``timeout`` seconds is stopped and named in one line (:func:`stalled`)."""
     version = _installed_version(python)
     if version not in KNOWN_VLLM_VERSIONS:
         raise EngineError(f"--vllm_venv {python.parent.parent}: {VLLM_PACKAGE} {version or '(none)'} installed; this "
@@ -103,9 +129,15 @@ def run_engine(python: Path, request: dict, timeout: float = 3600.0) -> tuple[di
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-        done = subprocess.run([str(python), str(WORKER), str(request_path), str(result_path)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
         log_path = Path(request["model"]) / ENGINE_LOG
+        try:
+            done = subprocess.run([str(python), str(WORKER), str(request_path), str(result_path)], env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as err:  # what it wrote before the limit (bytes, whatever text= said)
+            output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                             for part in (err.stdout, err.stderr) if part)
+            log_path.write_text(output)
+            raise stalled(request["model"], timeout, output) from None
         log_path.write_text(done.stdout + done.stderr)
         if done.returncode != 0 or not result_path.is_file():
             errors = [line for line in done.stderr.splitlines() if re.search(r"\w+Error\b|Exception", line)]
@@ -244,9 +276,11 @@ class EngineCheck:
 
 def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.Tensor] | None, benchmarks=None, *,
                       python: Path, top_k: int = 20, prompts=DEFAULT_PROMPTS, max_tokens: int = 24,
-                      dtype: str = "bfloat16", memory_fraction: float = 0.15, emulate: bool = True) -> EngineCheck:
+                      dtype: str = "bfloat16", memory_fraction: float = 0.15, emulate: bool = True,
+                      timeout: float = 3600.0) -> EngineCheck:
     """Serve ``export_dir`` in vLLM and measure it against ``module`` (a QATModule) on ``blocks`` (held-out
-    token ids) and ``benchmarks`` (scored through lm-eval's vllm backend when lm-eval is in the environment)."""
+    token ids) and ``benchmarks`` (scored through lm-eval's vllm backend when lm-eval is in the environment);
+    an engine still running after ``timeout`` seconds is one line (:func:`stalled`)."""
     from .compressed import read_report
     from .served import load_served
 
@@ -269,7 +303,7 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
     positions = json.loads((Path(export_dir) / "config.json").read_text()).get("max_position_embeddings")
     if positions:  # vLLM refuses a context longer than the model's
         request["max_model_len"] = min(request["max_model_len"], int(positions))
-    result, kernels = run_engine(python, request)
+    result, kernels = run_engine(python, request, timeout)
     check = EngineCheck(export=str(export_dir), kernels=kernels, generations=result["generations"], top_k=top_k,
                         versions={"vllm": result["vllm_version"], "lm_eval": result.get("lm_eval_version")},
                         seconds={"engine": time.perf_counter() - started, "engine_load": result["load_seconds"],
