@@ -25,11 +25,9 @@ import torch
 
 from .errors import CheckpointError, UnsafeFileError
 from .safe_load import listed, torch_load
-from .sharded_checkpoint import read_sharded_shapes, looks_sharded, read_sharded_checkpoint, read_sharded_with
+from .sharded_checkpoint import looks_sharded, read_sharded_checkpoint, read_sharded_shapes, read_sharded_with
 
 log = logging.getLogger(__name__)
-
-# (loading as data: qat_app.safe_load; sharded directories: qat_app.sharded_checkpoint)
 
 # model hyperparameters a resume may change (the new value is used, with a warning); any other is refused
 SOFT_MODEL_SETTINGS = ("lr", "weight_decay", "betas", "eps", "lr_schedule", "lr_warmup_steps", "min_lr_ratio",

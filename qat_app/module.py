@@ -32,7 +32,7 @@ from .config import QuantConfig, QuantConfigError
 from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
 from .config import quantize_model
-from .eval.records import write_benchmark_records
+from .eval.records import scored_line, write_benchmark_records
 from .hif8.patch import QuantReport, quantized_block_range, quantized_linears
 from .fsdp import grad_norm as global_grad_norm
 from .fsdp import local_tensors, shard_model
@@ -342,15 +342,13 @@ def log_scored(results: dict[str, torch.Tensor], selected: dict[str, int], prefi
     tasks = [key[: -len("/count")] for key in results if key.endswith("/count")]
     if not tasks:
         return
-    counts = {task: int(results[f"{task}/count"]) for task in tasks}
-    parts = [f"{task} {counts[task]}/{selected[task]}" if task in selected else f"{task} {counts[task]}"
-             for task in tasks]
-    short = [task for task in tasks if task in selected and counts[task] < selected[task]]
+    counts = {task: (int(results[f"{task}/count"]), selected.get(task)) for task in tasks}
+    short = [task for task, (n, of) in counts.items() if of is not None and n < of]
     if short:
         log.warning("%s at step %d: benchmark examples scored / selected: %s -- NOT every selected example of %s "
-                    "was scored", prefix, step, ", ".join(parts), ", ".join(short))
+                    "was scored", prefix, step, scored_line(counts), ", ".join(short))
     else:
-        log.info("%s at step %d: benchmark examples scored / selected: %s", prefix, step, ", ".join(parts))
+        log.info("%s at step %d: benchmark examples scored / selected: %s", prefix, step, scored_line(counts))
 
 
 def _gradients(optimizer) -> list[torch.Tensor]:

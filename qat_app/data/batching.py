@@ -26,3 +26,11 @@ def derive_accumulate_grad_batches(global_batch_size: int, micro_batch_size: int
             f" multiple of {per_step}, or change data.micro_batch_size / the number of devices"
         )
     return global_batch_size // per_step
+
+
+def limited_batches(batches: int, limit: int | float | None) -> int:
+    """How many of ``batches`` a limit keeps, by Lightning's rule for ``limit_val_batches``: an int counts batches, a
+    float is a fraction of them (rounded down), None all."""
+    if limit is None:
+        return batches
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)

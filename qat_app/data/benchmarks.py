@@ -25,6 +25,7 @@ from typing import Literal
 import lightning
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from qat_app.data.batching import limited_batches
 from qat_app.errors import ConfigError
 from qat_app.eval.dataset import BenchmarkDataset, tokenize_examples
 from qat_app.eval.examples import MultipleChoiceExample, load_task_examples
@@ -281,7 +282,7 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         world, _ = _data_parallel(trainer)
         for task, selected in self.selected().items():
             batches = math.ceil(math.ceil(selected / self.batch_size) / world)
-            kept = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+            kept = limited_batches(batches, limit)
             if kept < batches:
                 scored = min(selected, kept * world * self.batch_size)
                 raise ConfigError(

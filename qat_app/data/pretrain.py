@@ -32,7 +32,7 @@ import warnings
 import lightning as L
 import torch
 
-from qat_app.data.batching import derive_accumulate_grad_batches
+from qat_app.data.batching import derive_accumulate_grad_batches, limited_batches
 from qat_app.data.benchmarks import BenchmarkDataModule
 from qat_app.data.corpus import EMBEDDED_BOOLQ, boolq_passages_path
 from qat_app.data.errors import DataError
@@ -85,11 +85,7 @@ def check_limit_val_batches(limit: int | float | None) -> int | float | None:
 def limited_items(n: int, batch_size: int, limit: int | float | None) -> int:
     """How many of ``n`` items in batches of ``batch_size`` a limit of batches keeps, by Lightning's rule for
     ``limit_val_batches``: an int counts batches, a float is a fraction of them (rounded down), None / 1.0 all."""
-    if limit is None:
-        return n
-    batches = math.ceil(n / batch_size)
-    kept = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
-    return min(n, kept * batch_size)
+    return min(n, limited_batches(math.ceil(n / batch_size), limit) * batch_size)
 
 
 class PretrainDataModule(L.LightningDataModule):

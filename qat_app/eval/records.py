@@ -117,14 +117,10 @@ def write_benchmark_records(records: Mapping[str, Mapping[str, torch.Tensor]], d
     return path
 
 
-def scored_counts(rows: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int | None]]:
-    """Per task of a records file's rows: (examples scored, examples selected; None in records written before
-    the count was)."""
-    out: dict[str, tuple[int, int | None]] = {}
-    for row in rows:
-        scored, selected = out.get(row["task"], (0, row.get("selected")))
-        out[row["task"]] = (scored + 1, selected)
-    return out
+def scored_line(counts: Mapping[str, tuple[int, int | None]]) -> str:
+    """``arc_challenge 25/25, mmlu 80/80``: per task the examples scored / selected (only the scored count where
+    selected is unknown)."""
+    return ", ".join(f"{task} {n}/{of}" if of is not None else f"{task} {n}" for task, (n, of) in counts.items())
 
 
 def read_noise_floor(path: str | os.PathLike) -> dict | None:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from .. import stats
+from ..eval.records import scored_line
 from .compare import (arc_check, benchmark_keys, check_pair, compare_metric, evaluate_run, is_main_metric, loss_ape,
                       saturation_stats)
 from .distortion import forget_kl_parts, kl_baseline_qat, noise_floor_of
@@ -17,7 +18,7 @@ from .health import health_stats, whatif_stats
 from .health_figures import HEALTH_FIGURES, plot_sqnr_heatmap, plot_tiers, plot_whatif
 from .measures_table import compare_measures, measure_tasks
 from .runs import (ReportError, Run, default_label, inventory_stats, last_value, load_run, precision_name, quantized,
-                   scored_examples, scored_line, warmup_switch_step)
+                   scored_examples, warmup_switch_step)
 from .tables import json_safe, render_markdown, write_csv
 
 log = logging.getLogger("qat_app.report")

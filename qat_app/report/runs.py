@@ -261,11 +261,6 @@ def scored_examples(run: Run, split: str = "val") -> dict[str, tuple[int, int | 
     return out
 
 
-def scored_line(counts: dict[str, tuple[int, int | None]]) -> str:
-    """``arc_challenge 25/25, mmlu 80/80`` (scored / selected; only the scored count where selected is unknown)."""
-    return ", ".join(f"{task} {n}/{of}" if of is not None else f"{task} {n}" for task, (n, of) in counts.items())
-
-
 def default_label(path: str | os.PathLike) -> str:
     p = Path(path).expanduser().absolute()
     if p.name == METRICS_FILE:

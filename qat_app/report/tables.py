@@ -10,9 +10,10 @@ from .compare import COMPARISONS, Evaluation
 from .distortion import render_distortion, render_floor
 from .health import health_scalars, render_fallback, render_forecast, render_headroom, render_health, render_whatif
 from .measures_table import MEASURE_CSV_COLUMNS, csv_rows, has_measures, render_measures
+from ..eval.records import scored_line
 from ..hif8.inventory import INVENTORY_FILE, block_ranges
 from .runs import (CONFIG_FILE, SUMMARY_FILE, Run, inventory_stats, last_value, precision_name, quantized,
-                   scored_examples, scored_line)
+                   scored_examples)
 
 
 def _fmt(value, spec: str = ".4f") -> str:
