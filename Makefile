@@ -28,10 +28,13 @@ test-deps: install vllm-env
 vllm-env: install
 	$(PYTHON) -c "from qat_app.export.engine_check import install_environment; install_environment()"
 
-# The quickstart's run exported with the defaults and served by vLLM (benchmarks/serve_vllm.py)
+# The quickstart's run exported and served by vLLM (benchmarks/serve_vllm.py): the default FP8 export, or
+# `make serve-check SERVE_TARGET=cpu` for the int8 export a CPU server serves fast (docs/serving-cpu.md)
+SERVE_TARGET ?= any
 serve-check: vllm-env
 	$(PYTHON) benchmarks/serve_vllm.py --ckpt_path runs/quickstart/checkpoints/last.ckpt \
-	    --config runs/quickstart/logs/version_0/config.yaml --out exports/quickstart-fp8 --batches 32
+	    --config runs/quickstart/logs/version_0/config.yaml --out exports/quickstart-$(SERVE_TARGET) --batches 32 \
+	    --serve_target $(SERVE_TARGET)
 
 test: test-deps
 	$(PYTHON) -m pytest -q -ra

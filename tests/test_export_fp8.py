@@ -207,7 +207,7 @@ def test_fallbacks_and_input_schemes(tmp_path):
     # (block 2's gate (CTS) and up (delayed) are both dynamic there, so they fuse)
     schemes, ignored = plan_layers(model)
     assert schemes == {f"model.layers.{b}.mlp.{p}": "w8a8_dynamic" for b in (1, 2) for p in ("gate_proj", "up_proj")}
-    assert "no FP8 weight-only (W8A16) kernel" in ignored["model.layers.2.mlp.down_proj"]
+    assert "no 8-bit weight-only (W8A16) kernel" in ignored["model.layers.2.mlp.down_proj"]
     schemes, ignored = plan_layers(model, "cuda")
     assert schemes == {"model.layers.1.mlp.gate_proj": "w8a8_dynamic", "model.layers.1.mlp.up_proj": "w8a8_dynamic",
                        "model.layers.2.mlp.down_proj": "w8a16"}

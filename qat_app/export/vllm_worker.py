@@ -82,8 +82,12 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     from vllm import SamplingParams
 
-    greedy = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0)
+    llm.generate(request["prompts"][:1], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm
+    generating = time.perf_counter()
+    greedy = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
     outputs = llm.generate(request["prompts"], greedy, use_tqdm=False)
+    result["generation"] = {"tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+                            "seconds": time.perf_counter() - generating}
     result["generations"] = [{"prompt": p, "completion": o.outputs[0].text}
                              for p, o in zip(request["prompts"], outputs)]
     result["prompt_logprobs"] = _prompt_logprobs(llm, request["sequences"], request["top_k"])
