@@ -17,6 +17,7 @@ import re
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from qat_app.distill.config import DISTILL_CE, DISTILL_KL
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 
 from .alarms import EVENTS, GRAD_NORM_Z, LOSS_Z, NONFINITE, SpikeAlarm
@@ -30,6 +31,8 @@ from .saturation import MAX_CLIPPED_FRAC, MEDIAN_HEADROOM, MIN_HEADROOM, AmaxSat
 from .throughput import TokenThroughputMonitor
 
 log = logging.getLogger(__name__)
+
+DISTILL_CHART = "distillation: KL(teacher ‖ student) and the CE, nats/token"
 
 
 def _multiline(*patterns: str) -> list:
@@ -80,6 +83,7 @@ LAYOUT = {
     },
     "training": {
         "loss": _multiline(_exact("train/loss"), _exact("val/loss")),
+        DISTILL_CHART: _multiline(_exact(DISTILL_KL), _exact(DISTILL_CE)),
         "gradient norm": _multiline(_exact("train/grad_norm")),
         "learning rate": _multiline(_exact("train/lr"), r"lr-.*"),
         "spike alarms (robust z)": _multiline(_exact(LOSS_Z), _exact(GRAD_NORM_Z)),
@@ -136,6 +140,7 @@ def _shown(trainer) -> dict[tuple[str, str | None], bool]:
         ("training", "spike alarms (robust z)"): _enabled(trainer, SpikeAlarm),
         ("training", "alarm events, non-finite steps"): _enabled(trainer, SpikeAlarm),
         ("training", "throughput"): _callback(trainer, TokenThroughputMonitor) is not None,
+        ("training", DISTILL_CHART): getattr(getattr(trainer, "lightning_module", None), "teacher", None) is not None,
         ("forgetting", None): forgetting and (benchmarks or noise_floor),
         ("memory", None): _enabled(trainer, MemoryMonitor),
         (PER_TENSOR, None): per_layer,

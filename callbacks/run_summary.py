@@ -31,6 +31,7 @@ from qat_app.eval.measures import MeasureError, compare_records, verdict
 from qat_app.eval.records import read_records, recorded_steps, records_path
 
 from qat_app import stats
+from qat_app.distill.config import DISTILL_CE, DISTILL_KL
 from qat_app.eval.kl_cache import DRIFT, KL, QUANTIZATION, with_interval
 from qat_app.hif8.fallback_summary import summary_lines as fallback_lines
 from qat_app.hif8.forecast import summary_lines as forecast_lines
@@ -232,6 +233,9 @@ class RunSummaryCallback(L.Callback):
                  *interval_lines(trainer)]
         if "train/loss" in m:
             lines.append(f"train loss    {m['train/loss']:.4f} (last step)")
+        if DISTILL_KL in m:
+            lines.append(f"distillation  KL(teacher || student) {m[DISTILL_KL]:.4f}, CE {m.get(DISTILL_CE, math.nan):.4f} "
+                         "nats/token (last step)")
         if "val/loss" in m:
             ppl = f"   perplexity {m['val/ppl']:.2f}" if "val/ppl" in m else ""
             lines.append(f"val loss      {m['val/loss']:.4f}{ppl}")

@@ -306,14 +306,17 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def _is_later_quant_default(key: str, value: Any) -> bool:
-    """``quant.<field>`` at the core's default (a checkpoint written before the field existed lacks it)."""
-    if not key.startswith("quant."):
-        return False
+def _is_later_default(key: str, value: Any) -> bool:
+    """``quant.<field>`` or ``distill.<field>`` at its default (a checkpoint written before the field existed
+    lacks it, and behaved as the default does)."""
     from .config import QuantConfig
+    from .distill import DistillConfig
 
-    defaults = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
-    name = key[len("quant."):]
+    section, _, name = key.partition(".")
+    settings = {"quant": QuantConfig, "distill": DistillConfig}.get(section)
+    if settings is None:
+        return False
+    defaults = {f.name: f.default for f in dataclasses.fields(settings)}
     return name in defaults and defaults[name] == value
 
 
@@ -328,7 +331,7 @@ def hparam_differences(saved: Any, now: Any) -> list[str]:
     out = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key), b.get(key)
-        if key not in a and _is_later_quant_default(key, vb):
+        if key not in a and _is_later_default(key, vb):
             continue  # a setting added since, at its default: the saved run behaved that way
         if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
             va, vb = list(va), list(vb)

@@ -123,16 +123,7 @@ class _QuantConfigBase:
         """A ``QuantConfig`` from what a caller holds: one already, a checkpoint's or an export's plain dict, or
         an object of an older ``QuantConfig`` (old checkpoints pickled it). A key the core does not know is
         refused by name; a field the source lacks takes the core's default."""
-        if isinstance(value, cls):
-            return value
-        if value is None:
-            return cls()
-        items = dict(value) if isinstance(value, Mapping) else dict(vars(value))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(items) - known)
-        if unknown:
-            raise QuantConfigError(f"quant.{unknown[0]}: not a quantization setting; known: {', '.join(sorted(known))}")
-        return cls(**items)
+        return coerce_settings(cls, value, "quant", "quantization", QuantConfigError)
 
     @property
     def resolved_max_val(self) -> float:
@@ -141,6 +132,22 @@ class _QuantConfigBase:
     def to_dict(self) -> dict:
         """Plain values only (what checkpoints, exports and loggers store)."""
         return dataclasses.asdict(self)
+
+
+def coerce_settings(cls, value, section: str, noun: str, error: type[ConfigError] = ConfigError):
+    """A settings dataclass ``cls`` from what a caller holds: one already, a plain dict (a checkpoint's
+    hyper-parameters), an object with those attributes, or None (the defaults). A key ``cls`` does not know is
+    refused by name (``<section>.<key>: not a <noun> setting``)."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    items = dict(value) if isinstance(value, Mapping) else dict(vars(value))
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(items) - known)
+    if unknown:
+        raise error(f"{section}.{unknown[0]}: not a {noun} setting; known: {', '.join(sorted(known))}")
+    return cls(**items)
 
 
 def _docstring() -> str:

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import QuantConfig, QuantConfigError
+from .distill import DISTILL_CE, DISTILL_KL, DistillConfig, Teacher
 from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
 from .config import quantize_model
@@ -96,6 +97,8 @@ class QATModule(L.LightningModule):
             does not: it loads natively as a Llama).
         dtype: dtype the weights are loaded in (keep float32 with ``bf16-mixed`` precision).
         quant: quantization settings; ``quant.enabled=false`` is the matched BF16 baseline.
+        distill: quantization-aware distillation (off by default): the loss becomes KL(teacher || student) per
+            token, with the CE beside it (:class:`qat_app.distill.DistillConfig`, ``docs/distillation.md``).
         lr: peak learning rate (exp8: 1e-5).
         lr_schedule: ``cosine`` (linear warmup, cosine decay to ``min_lr_ratio * lr`` at
             ``trainer.max_steps``) or ``constant`` (after the linear warmup).
@@ -112,6 +115,7 @@ class QATModule(L.LightningModule):
         trust_remote_code: bool = False,
         dtype: str = "float32",
         quant: QuantConfig = QuantConfig(),
+        distill: DistillConfig = DistillConfig(),
         lr: float = 1e-5,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -125,9 +129,10 @@ class QATModule(L.LightningModule):
         super().__init__()
         _check_training_settings(lr, lr_schedule, min_lr_ratio, lr_warmup_steps, max_consecutive_nonfinite)
         self.quant = quant = QuantConfig.coerce(quant)  # a checkpoint's hyper-parameters hold a plain dict
+        self.distill = DistillConfig.coerce(distill)
         # save_hyperparameters reads the constructor's arguments from its locals: the checkpoint (and the
         # loggers) get the settings as plain values, so no class of ours is pickled into a checkpoint
-        quant = quant.to_dict()
+        quant, distill = quant.to_dict(), self.distill.to_dict()
         self.save_hyperparameters()
         quant = self.quant
         self.model, self.tokenizer = load_causal_lm(
@@ -136,6 +141,10 @@ class QATModule(L.LightningModule):
         self.model.train()  # transformers returns eval mode; Lightning keeps module modes as it finds them
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        # built before quantization: the initial teacher is the weights the run starts from
+        self.teacher: Teacher | None = Teacher.build(
+            self.distill.teacher, self.model, self.tokenizer, dtype=dtype, trust_remote_code=trust_remote_code
+        ) if self.distill.enabled else None
         self.quant_report: QuantReport | None = _quantize(self.model, quant) if quant.enabled else None
         self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
         self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
@@ -159,10 +168,21 @@ class QATModule(L.LightningModule):
             return None
         return self._flops.batch(*self._batch_shape, training=self.training)
 
+    def on_fit_start(self) -> None:
+        if self.teacher is not None:  # not a registered module: Lightning does not move it; in the compute dtype
+            from .export.qat_checkpoint import COMPUTE_DTYPES  # (that module reads QATModule checkpoints)
+
+            self.teacher.to(self.device, getattr(torch, COMPUTE_DTYPES.get(str(self.trainer.precision), "float32")))
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._batch_shape = tuple(batch["input_ids"].shape)
-        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
-        loss = out.loss
+        if self.teacher is None:
+            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        else:
+            loss, kl, ce = self.teacher.loss(self.model, batch["input_ids"], batch["labels"], self.distill)
+            size = batch["input_ids"].shape[0]
+            self.log(DISTILL_KL, kl.detach(), on_step=True, batch_size=size)
+            self.log(DISTILL_CE, ce.detach(), on_step=True, batch_size=size)
         # device-side flag over the micro-batches of this optimizer step (no host sync here)
         bad = ~torch.isfinite(loss.detach())
         self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
@@ -244,11 +264,14 @@ class QATModule(L.LightningModule):
             "quantized_modules": list(self.quant_report.modules) if self.quant_report is not None else [],
             # the trainer's precision: what the unquantized tensors were computed in (the exports' default dtype)
             "precision": str(self._trainer.precision) if self._trainer is not None else None,
+            "distill_teacher": self.teacher.state() if self.teacher is not None else None,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get(CHECKPOINT_KEY) or {}
         self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+        if self.teacher is not None:
+            self.teacher.check_resumed(state.get("distill_teacher"))
 
     def configure_optimizers(self):
         decay, no_decay = [], []

@@ -101,10 +101,25 @@ def saturation_batch(step: int) -> torch.Tensor:
     return x
 
 
-def equivalence_worker(rank: int, world: int, mode: str, init_file: str, out_dir: str, steps: int = 4) -> None:
+class _DistilledStep(torch.nn.Module):
+    """The distilled loss of one micro-batch as a module's forward -> (loss, KL)."""
+
+    def __init__(self, model, teacher, settings) -> None:
+        super().__init__()
+        self.model, self.settings = model, settings
+        self.__dict__["teacher"] = teacher  # not a submodule, as in QATModule
+
+    def forward(self, ids):
+        loss, kl, _ = self.teacher.loss(self.model, ids, ids, self.settings)
+        return loss, kl
+
+
+def equivalence_worker(rank: int, world: int, mode: str, init_file: str, out_dir: str, steps: int = 4,
+                       distill: bool = False) -> None:
     """The recipe (one warmup step, then QAT) on one global batch of 4 sequences: one process (``single``), or
     2 processes with half the batch each under DDP (``ddp``) or FSDP2 (``fsdp``). Saves the global losses and
-    the scaler states."""
+    the scaler states; with ``distill``, trained on KL(initial model || student) (one replica of the teacher per
+    rank), also the global KLs and the teacher's fingerprint at the end."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from qat_app.config import QuantConfig, quantize_model
@@ -118,27 +133,38 @@ def equivalence_worker(rank: int, world: int, mode: str, init_file: str, out_dir
         model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                              num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
                                              max_position_embeddings=64))
+        teacher = None
+        if distill:
+            from qat_app.distill import DistillConfig, Teacher
+
+            teacher, settings = Teacher.initial(model), DistillConfig(enabled=True, ce_weight=0.1)
         quantize_model(model, QuantConfig(amax_algo="max", history_len=8, high_precision_layers=1, fused="off"))
-        if mode == "ddp":
-            trained = torch.nn.parallel.DistributedDataParallel(model)
-        elif mode == "fsdp":
+        if mode == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
 
             from qat_app.fsdp import shard_model
 
             shard_model(model, init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",)),
                         QuantConfig().block_pattern)
-            trained = model
-        else:
-            trained = model
+        # as Lightning runs it: the whole step inside the (DDP-wrapped) module's forward
+        trained = _DistilledStep(model, teacher, settings) if teacher is not None else model
+        if mode == "ddp":
+            trained = torch.nn.parallel.DistributedDataParallel(trained)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
         gen = torch.Generator().manual_seed(1)
-        losses = []
+        losses, kls = [], []
         start_warmup(model)  # step 0 unquantized, observed: the recipe's warmup fills the (synced) histories
         for step in range(steps):
             batch = torch.randint(0, 128, (4, 16), generator=gen)
             local = batch.chunk(world)[rank]
-            loss = trained(input_ids=local, labels=local).loss
+            if teacher is None:
+                loss = trained(input_ids=local, labels=local).loss
+            else:
+                loss, kl = trained(local)
+                kl = kl.detach().clone()
+                if world > 1:
+                    dist.all_reduce(kl)
+                kls.append(float(kl) / world)
             loss.backward()
             skipped = sync_and_advance(model, nonfinite=~torch.isfinite(loss.detach()))
             assert not skipped
@@ -151,7 +177,12 @@ def equivalence_worker(rank: int, world: int, mode: str, init_file: str, out_dir
                 dist.all_reduce(total)
             losses.append(float(total) / world)
         scalers = {k: v.detach().clone() for k, v in model.state_dict().items() if "_scaler." in k}
-        torch.save({"losses": losses, "scalers": scalers}, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
+        extra = {}
+        if teacher is not None:
+            from qat_app.distill.teacher import fingerprint
+
+            extra = {"kl": kls, "teacher": fingerprint(teacher.model), "teacher_initial": teacher.fingerprint}
+        torch.save({"losses": losses, "scalers": scalers, **extra}, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     finally:
         if world > 1:
             dist.destroy_process_group()

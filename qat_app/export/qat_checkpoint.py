@@ -43,6 +43,7 @@ def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trus
     if kwargs.get("trust_remote_code") and not trust_remote_code:
         log.info("%s: its hyper-parameters ask for trust_remote_code; not taken from a file (--trust_remote_code)", path)
     kwargs["trust_remote_code"] = bool(trust_remote_code)
+    kwargs.pop("distill", None)  # reading a run needs no teacher
     if kwargs.get("quant") is not None:  # a plain dict (today), or an earlier version's pickled QuantConfig
         kwargs["quant"] = QuantConfig.coerce(kwargs["quant"])
     module = QATModule(**kwargs)

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from .. import stats
+from ..distill.config import DISTILL_CE, DISTILL_KL
 from ..eval.records import scored_line
 from .compare import (arc_check, benchmark_keys, check_pair, compare_metric, evaluate_run, is_main_metric, loss_ape,
                       saturation_stats)
@@ -118,6 +119,7 @@ def _qat_result(run: Run, baseline: Run, rows: list[dict], ape_from_step: int, m
         "whatif": whatif_stats(run), "health": health_stats(run),
         "kl_baseline_qat": kl_baseline_qat(baseline, run), "noise_floor": noise_floor_of(run),
         "forget_kl": forget_kl_parts(run),
+        "distill": {"kl": run.last(DISTILL_KL), "ce": run.last(DISTILL_CE)} if DISTILL_KL in run.columns else None,
         "measures": {name: m for name, m in measures.items() if m},
     }
 

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..distill.config import DISTILL_CE
 from ..errors import QATError
 from ..eval.records import RECORDS_NAME, SAMPLES_DIR  # where the training run writes its per-example records
 from ..hif8.inventory import INVENTORY_FILE  # what the fit quantized (QuantizedModulesCallback writes it)
@@ -198,8 +199,9 @@ class Run:
         return dict(sorted(out.items()))
 
     def train_loss(self) -> dict[int, float]:
-        """step -> train/loss (``train/loss_step`` when the loss was also logged per epoch)."""
-        for key in ("train/loss", "train/loss_step"):
+        """step -> the next-token loss: train/loss (``train/loss_step`` when it was also logged per epoch), or for a
+        distilled run, whose train/loss is its distillation loss, ``distill/ce`` (comparable with other runs)."""
+        for key in (DISTILL_CE, "train/loss", "train/loss_step"):
             if key in self.columns:
                 return self.series(key)
         return {}

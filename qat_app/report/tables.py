@@ -126,8 +126,14 @@ def _render_training_loss(baseline: Run, results: list[dict], ape_from_step: int
     lines = ["", "## Training loss", "", f"| run | train-loss APE % (common steps{since}) | final train loss | final val loss |",
              "|---|---:|---:|---:|",
              f"| `{baseline.label}` | – | {_fmt(last_value(baseline.train_loss()))} | {_fmt(baseline.last('val/loss'))} |"]
-    return lines + [f"| `{r['label']}` | {_fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']}) | "
-                    f"{_fmt(r['final_train_loss'])} | {_fmt(r['final_val_loss'])} |" for r in results]
+    lines += [f"| `{r['label']}` | {_fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']}) | "
+              f"{_fmt(r['final_train_loss'])} | {_fmt(r['final_val_loss'])} |" for r in results]
+    distilled = [r for r in results if r.get("distill")]
+    if distilled:  # their train loss above is the CE they log beside the KL they train on
+        lines += ["", "Distilled runs (their train loss above is their next-token CE, `distill/ce`):", "",
+                  "| run | KL(teacher ‖ student), last step | CE, last step |", "|---|---:|---:|"]
+        lines += [f"| `{r['label']}` | {_fmt(r['distill']['kl'])} | {_fmt(r['distill']['ce'])} |" for r in distilled]
+    return lines
 
 
 def _render_arc_check(results: list[dict]) -> list[str]:
