@@ -194,3 +194,12 @@ def test_neither_models_whole_logits_ever_exist_in_forward_or_backward():
         (kl + ce).backward()
     # the largest left: the head's and embeddings' weight gradients (vocabulary x hidden)
     assert Largest.largest == 1024 * 32 < whole
+
+
+def test_a_report_pairs_a_distilled_run_with_its_plain_qat_run():
+    """Distillation is what such a report compares, as quantization is: not a mismatch of the pair."""
+    from qat_app.report.compare import config_differences
+
+    base = {"model": {"lr": 1e-5, "distill": {"enabled": False}}}
+    assert config_differences(base, {"model": {"lr": 1e-5, "distill": {"enabled": True, "ce_weight": 0.1}}}) == []
+    assert config_differences(base, {"model": {"lr": 1e-4, "distill": {"enabled": True}}}) == ["model.lr: 1e-05 vs 0.0001"]

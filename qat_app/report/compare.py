@@ -29,7 +29,8 @@ COMPARED_CONFIG = re.compile(
     r"accumulate_grad_batches|gradient_clip_val|gradient_clip_algorithm|devices|num_nodes|strategy|"
     r"deterministic|limit_val_batches))(\.|$)"
 )
-ALLOWED_CONFIG_DIFFERENCES = re.compile(r"^(model\.quant|data\.init_args\.benchmarks)(\.|$)")
+# what a report compares (quantization, or distillation against plain QAT), and what does not change the numbers
+ALLOWED_CONFIG_DIFFERENCES = re.compile(r"^(model\.quant|model\.distill|data\.init_args\.benchmarks)(\.|$)")
 
 
 @dataclass
@@ -159,7 +160,7 @@ def check_pair(baseline: Run, qat: Run, force: bool) -> list[str]:
     if problems:
         files = (f"{baseline.config_path or baseline.files[-1]} (baseline) and "
                  f"{qat.config_path or qat.files[-1]} (QAT `{qat.label}`)")
-        message = f"{files} differ in more than quantization settings: " + "; ".join(problems)
+        message = f"{files} differ in more than quantization (and distillation) settings: " + "; ".join(problems)
         if not force:
             raise ReportError(message + ". Pass --force to report anyway.")
         warnings.append("forced (--force): " + message)
