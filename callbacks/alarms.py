@@ -193,9 +193,9 @@ class SpikeAlarm(PerOptimizerStep):
         if step is None:  # the optimizer step is not done yet
             return
         loss, grad_norm, nonfinite = self._read_step(trainer, pl_module)
-        new = self.observe(step - 1, loss, grad_norm, nonfinite)
+        new = self.observe(step, loss, grad_norm, nonfinite)
         metrics = {**self.last_z, EVENTS: float(len(self.events)), NONFINITE: float(self.nonfinite)}
-        self.log_at(trainer, metrics, step - 1)  # at the step the values describe, as train/loss
+        self.log_at(trainer, metrics, step)  # at the step the values describe, as train/loss
         if trainer.is_global_zero:  # every rank holds the same events; one line each
             for event in new:
                 log.warning(self.describe(event))

@@ -134,7 +134,7 @@ class FallbackCallback(PerOptimizerStep):
         step = self.completed_step(trainer)
         if step is None:
             return
-        new = fallback_step(pl_module.model, self.monitor, step - 1)  # the step whose counters decided
+        new = fallback_step(pl_module.model, self.monitor, step)  # the step whose counters decided
         for decision in new:
             log.warning("fallback at step %d: %s.%s -> %s for the rest of the run (%s: %s)", decision["step"],
                         decision["module"], decision["operand"], TARGET_TEXT[decision["target"]], decision["reason"],
@@ -152,4 +152,4 @@ class FallbackCallback(PerOptimizerStep):
                         stopped["step"], stopped["qualified"], stopped["already"], stopped["budget"], stopped["diagnosis"])
         self.decisions.extend(new)
         self._fallen_back += len(new)
-        self.log_at(trainer, {FALLBACK_METRIC: float(self._fallen_back)}, step - 1)
+        self.log_at(trainer, {FALLBACK_METRIC: float(self._fallen_back)}, step)

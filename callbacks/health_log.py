@@ -17,6 +17,8 @@ from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, TIERS, summarize
 from qat_app.hif8.quantized import FALLBACK_HIGH_PRECISION
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 
+from .step_stats import StepStats
+
 
 # the model-wide series a person compares at a glance (the per-tensor ones are health/<layer>.<operand>/...)
 MIN_SQNR, MEDIAN_SQNR = "health/min_sqnr_db", "health/median_sqnr_db"
@@ -38,7 +40,7 @@ def model_wide(pairs, figures: dict[str, torch.Tensor], numel: torch.Tensor, mea
     for i in rows:
         value = float(figures["sqnr_db"][i])
         if math.isfinite(value):
-            by_operand.setdefault(pairs[i][0].rsplit(".", 1)[-1], []).append(value)
+            by_operand.setdefault(pairs[i][1].operand, []).append(value)
     metrics.update({OPERAND_MEDIAN_SQNR.format(op): float(torch.tensor(v).median()) for op, v in by_operand.items()})
     underflow = figures["underflow_frac"][rows]
     if underflow.numel():
@@ -72,7 +74,7 @@ def headroom_setup(model, grid, block_pattern: str = DEFAULT_BLOCK_PATTERN, tens
     if not tensors:
         return None
     _, layer, _ = tensors[0]
-    run_max_val = {operand: float(layer.scaler_of(operand).max_val) for _, layer, operand in tensors}
+    run_max_val = {operand.value: float(layer.scaler_of(operand).max_val) for _, layer, operand in tensors}
     scaler = layer.scaler_of(tensors[0][2])
     if grid is None:  # the default grid, up to the format's largest finite value (E4M3: 448)
         top = layer.format.max_finite
@@ -95,9 +97,10 @@ class HealthLog:
         self.worst: dict[str, dict] = {}  # tensor -> {"sqnr_db", "step"}: its lowest logged SQNR
         self.headroom_last: dict | None = None  # the last measured step's digest (qat_app.hif8.headroom.digest)
 
-    def metrics(self, pairs, columns: dict[str, torch.Tensor], step: int) -> dict[str, float]:
-        """The health figures of ``step`` (the one that ended), per tensor (with ``per_layer``) and over the run;
+    def metrics(self, stats: StepStats) -> dict[str, float]:
+        """The health figures of the step that ended (measured), per tensor (with ``per_layer``) and over the run;
         updates each tensor's last and worst figures."""
+        pairs, columns, step = stats.pairs, stats.columns, stats.step
         vectors = columns[HEALTH]
         figures = summarize(vectors, columns["last_amax"])
         numel, underflow = (vectors[:, HEALTH_FIELDS.index(f)] for f in ("numel", "underflow"))
@@ -136,7 +139,8 @@ class HealthLog:
         a_hat, amax = columns["last_a_hat"][rows], columns["last_amax"][rows]
         estimate = estimate_headroom(columns[HEALTH][rows], torch.where(a_hat > 0, a_hat, amax), amax, grid, fmt_name,
                                      margin, power_2)
-        self.headroom_last = {"step": step, **digest(names, estimate, run_max_val, block_pattern)}
+        operands = [pairs[i][1].operand for i in rows]
+        self.headroom_last = {"step": step, **digest(names, operands, estimate, run_max_val, block_pattern)}
         # what the step really had at the run's own max_val (the health's exact SQNR, the real counter): what another
         # run's estimate at this max_val is checked against (the report's cross-check)
         measured_db = sqnr_db[rows]

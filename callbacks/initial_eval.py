@@ -54,11 +54,11 @@ class InitialEvaluationCallback(L.Callback):
         self._root: str = "."  # the run directory the cache's path is relative to
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.kl and stage == "fit" and hasattr(pl_module, "forget_kl"):
+        if self.kl and stage == "fit" and hasattr(pl_module, "measure_forgetting"):
             model_name = getattr(pl_module, "hparams", {}).get("model_name", "")
             # the path is the run's own, decided in on_train_start (a new fit's log version, or the checkpoint's)
-            pl_module.forget_kl = InitialKL(self.topk, self.max_kl_tokens, model_name, INITIAL_FILE,
-                                            parts=self.kl_parts)
+            pl_module.measure_forgetting(InitialKL(self.topk, self.max_kl_tokens, model_name, INITIAL_FILE,
+                                                   parts=self.kl_parts))
             self._root = trainer.default_root_dir
 
     # ------------------------------------------------------------------------- whose cache (checkpointed)
@@ -113,7 +113,7 @@ class InitialEvaluationCallback(L.Callback):
         if held_out is None:
             if tracker is not None:
                 log.info("forget/kl off: the data has no held-out LM blocks (data.val_documents) to validate on")
-                pl_module.forget_kl = None
+                pl_module.measure_forgetting(None)
             return
         blocks, batch_size, scored = held_out
         tracker.path, expected_sha = self.cache_path(trainer)

@@ -106,7 +106,7 @@ class MemoryMonitor(PerOptimizerStep):
         if not self.enabled:
             return
         step = self.completed_step(trainer)
-        if step is None or not self.logging_step(trainer, step):
+        if step is None or not self.logging_step(trainer, step + 1):
             return
         params, grads = parameter_bytes(pl_module), self._grads_bytes or 0
         moments = optimizer_state_bytes(trainer.optimizers)
@@ -122,4 +122,4 @@ class MemoryMonitor(PerOptimizerStep):
         else:
             metrics[RSS_MB] = rss_bytes() / MIB
         self.last = metrics
-        self.log_at(trainer, metrics, step - 1)  # at the step the values describe, as train/loss
+        self.log_at(trainer, metrics, step)  # at the step the values describe, as train/loss

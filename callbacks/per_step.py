@@ -25,13 +25,13 @@ class PerOptimizerStep(L.Callback):
         self._seen_step = trainer.global_step
 
     def completed_step(self, trainer: L.Trainer) -> int | None:
-        """``trainer.global_step`` on the first call after an optimizer step completed, None on every other call (the
-        completed step's own index is one less)."""
+        """The index of the optimizer step just completed (``trainer.global_step - 1``: the step its counters and
+        metrics describe) on the first call after it, None on every other call."""
         step = trainer.global_step
         if step == self._seen_step:
             return None
         self._seen_step = step
-        return step
+        return step - 1
 
     @staticmethod
     def logging_step(trainer: L.Trainer, completed_steps: int) -> bool:

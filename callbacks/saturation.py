@@ -21,7 +21,7 @@ import lightning as L
 import torch
 
 from qat_app.errors import ConfigError
-from qat_app.hif8.counters import HEALTH, as_rows, gather_columns
+from qat_app.hif8.counters import as_rows, gather_columns
 from qat_app.hif8.fallback import fallen_back, quantized_tensors, scaler_pairs
 from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.health import WHATIF_ALGOS
@@ -32,28 +32,42 @@ from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 from .forecast_log import clip_headrooms, forecast_metrics, short_name
 from .health_log import HeadroomSetup, HealthLog, finite_or_none, headroom_setup
 from .per_step import PerOptimizerStep
+from .step_stats import COUNT_FIELDS, FIELDS, WHATIF_COUNT, StepRow, StepStats, read_step
 
-__all__ = ["AmaxSaturationCallback", "HeadroomSetup", "clip_headrooms", "headroom_setup", "named_scalers"]
+__all__ = ["COUNT_FIELDS", "FIELDS", "WHATIF_COUNT", "AmaxSaturationCallback", "HeadroomSetup", "StepRow", "StepStats",
+           "clip_headrooms", "headroom_setup", "named_scalers"]
 
 log = logging.getLogger(__name__)
-# per step: (amax, a_hat, headroom) are identical on every rank; the element counts are summed
-FIELDS = ("last_amax", "last_a_hat", "last_headroom")
-COUNT_FIELDS = ("last_clipped", "last_numel")
 TOTAL_FIELDS = ("saturation_events", "quantized_steps", "min_headroom", "a_hat", "scale", "steps_recorded")
 TOTAL_COUNT_FIELDS = ("total_clipped", "total_numel")
-WHATIF_COUNT = "last_whatif_clipped"  # per estimator: summed over the ranks
 # the model-wide saturation series (the per-tensor ones are sat/<layer>.<operand>/clipped_frac, a_hat/..., amax/...)
 MIN_HEADROOM, MEDIAN_HEADROOM, MAX_CLIPPED_FRAC = "sat/min_headroom", "sat/median_headroom", "sat/max_clipped_frac"
 
 
-class StepRow(NamedTuple):
-    """One tensor's last completed step (:data:`FIELDS` then :data:`COUNT_FIELDS`)."""
+def saturation_metrics(stats: StepStats) -> dict[str, float]:
+    """The model-wide ``sat/*`` series of one step."""
+    rows = stats.rows
+    clipped, numel = sum(r.clipped for r in rows), sum(r.numel for r in rows)
+    metrics = {"sat/clipped": clipped, "sat/clipped_frac": clipped / numel if numel else 0.0,
+               "sat/events": float(sum(r.clipped > 0 for r in rows))}
+    headrooms = [r.headroom for r in rows if r.numel > 0 and math.isfinite(r.headroom)]
+    if headrooms:
+        metrics[MIN_HEADROOM] = min(headrooms)
+        metrics[MEDIAN_HEADROOM] = float(torch.tensor(headrooms).median())
+    fractions = [r.clipped / r.numel for r in rows if r.numel > 0]
+    if fractions:
+        metrics[MAX_CLIPPED_FRAC] = max(fractions)  # the worst tensor's
+    return metrics
 
-    amax: float
-    a_hat: float
-    headroom: float
-    clipped: float
-    numel: float
+
+def whatif_metrics(stats: StepStats) -> dict[str, float]:
+    """What each estimator would have clipped in the step, over all tensors."""
+    whatif = stats.columns[WHATIF_COUNT]
+    metrics = {}
+    for k, algo in enumerate(WHATIF_ALGOS):
+        metrics[f"whatif/{algo}/clipped"] = float(whatif[:, k].sum())
+        metrics[f"whatif/{algo}/events"] = float((whatif[:, k] > 0).sum())
+    return metrics
 
 
 class TotalsRow(NamedTuple):
@@ -81,9 +95,12 @@ def fallback_entries(model) -> list[dict]:
 
 
 def _fallback_stopped(pl_module: L.LightningModule) -> dict | None:
-    """The fallback budget's stop (``callbacks.fallback``, which imports this module: found by its method)."""
+    """The fallback budget's stop, from the run's :class:`~callbacks.fallback.FallbackCallback` (if any)."""
+    from .fallback import FallbackCallback  # it imports this module
+
     trainer = getattr(pl_module, "_trainer", None)
-    found = (c.fallback_stopped() for c in (trainer.callbacks if trainer is not None else []) if hasattr(c, "fallback_stopped"))
+    found = (c.fallback_stopped() for c in (trainer.callbacks if trainer is not None else [])
+             if isinstance(c, FallbackCallback))
     return next((stopped for stopped in found if stopped is not None), None)
 
 
@@ -206,59 +223,48 @@ class AmaxSaturationCallback(PerOptimizerStep):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         step = self.completed_step(trainer)
-        if not step:  # not done yet, or step 0
+        if step is None or step < 0:
             return
-        pairs = named_scalers(pl_module.model)
-        if not pairs:
+        stats = self.step_stats(pl_module, step, logged=self.logging_step(trainer, step + 1))
+        if stats is None:
             return
-        log_layers = self.logging_step(trainer, step)
-        health_step = self.health and log_layers  # the step that ended was measured (on_train_batch_start)
-        columns = gather_columns(pairs, FIELDS, COUNT_FIELDS + (WHATIF_COUNT,) + ((HEALTH,) if health_step else ()))
-        rows = [StepRow(*row) for row in as_rows(columns, FIELDS + COUNT_FIELDS)]
-        clipped = sum(r.clipped for r in rows)
-        numel = sum(r.numel for r in rows)
-        for (name, _), row in zip(pairs, rows):
+        for name, row in zip(stats.names, stats.rows):
             if row.clipped > 0:
-                self.first_clipped_step.setdefault(name, step - 1)  # the step the counts describe
-        headrooms = [r.headroom for r in rows if r.numel > 0 and math.isfinite(r.headroom)]
-        metrics = {
-            "sat/clipped": clipped,
-            "sat/clipped_frac": clipped / numel if numel else 0.0,
-            "sat/events": float(sum(r.clipped > 0 for r in rows)),
-        }
-        if headrooms:
-            metrics[MIN_HEADROOM] = min(headrooms)
-            metrics[MEDIAN_HEADROOM] = float(torch.tensor(headrooms).median())
-        fractions = [r.clipped / r.numel for r in rows if r.numel > 0]
-        if fractions:
-            metrics[MAX_CLIPPED_FRAC] = max(fractions)  # the worst tensor's
-        whatif = columns[WHATIF_COUNT]
-        for k, algo in enumerate(WHATIF_ALGOS):
-            metrics[f"whatif/{algo}/clipped"] = float(whatif[:, k].sum())
-            metrics[f"whatif/{algo}/events"] = float((whatif[:, k] > 0).sum())
-        if health_step:
-            metrics.update(self.health_log.metrics(pairs, columns, step - 1))
+                self.first_clipped_step.setdefault(name, step)
+        metrics = {**saturation_metrics(stats), **whatif_metrics(stats)}
+        if stats.health:
+            metrics.update(self.health_log.metrics(stats))
         if self.forecast is not None:
-            metrics.update(self._forecast_metrics(pairs, rows, step - 1, log_layers, trainer.is_global_zero))
-        if self.per_layer and log_layers:
-            # the logged step's per-tensor figures, for the dashboard's pictures
-            self.last_logged = {"step": step - 1, "clipped_frac": {
-                name: row.clipped / row.numel for (name, _), row in zip(pairs, rows) if row.numel},
-                "sqnr_db": {name: h["sqnr_db"] for name, h in self.health_log.last.items()
-                            if h["step"] == step - 1 and h["sqnr_db"] is not None}}
-            for (name, _), (amax, a_hat, _headroom, n_clipped, n_seen) in zip(pairs, rows):
-                metrics[f"amax/{name}"] = amax
-                if n_seen:  # quantized this step: the estimate it used, and what it clipped
-                    metrics[f"a_hat/{name}"] = a_hat
-                    metrics[f"sat/{name}/clipped_frac"] = n_clipped / n_seen
-        self.log_at(trainer, metrics, step - 1)  # not via self.log: on the step they describe, once
-        pl_module.log("sat/clipped", clipped, on_step=True, prog_bar=True, logger=False)
+            metrics.update(self._forecast_metrics(stats, trainer.is_global_zero))
+        if self.per_layer and stats.logged:
+            metrics.update(self._per_tensor_metrics(stats))
+        self.log_at(trainer, metrics, step)  # not via self.log: on the step they describe, once
+        pl_module.log("sat/clipped", metrics["sat/clipped"], on_step=True, prog_bar=True, logger=False)
         pl_module.log("sat/clipped_frac", metrics["sat/clipped_frac"], on_step=True, prog_bar=True, logger=False)
 
-    def _forecast_metrics(self, pairs, rows, step: int, log_layers: bool, say: bool) -> dict[str, float]:
-        """The forecast's metrics of ``step`` (:func:`.forecast_log.forecast_metrics`)."""
-        return forecast_metrics(self.forecast, self._clip_headroom, pairs, rows, step, self.per_layer and log_layers,
-                                say)
+    def step_stats(self, pl_module: L.LightningModule, step: int, logged: bool) -> StepStats | None:
+        """Every quantized tensor's figures of optimizer step ``step`` (None: no quantized tensor); ``logged``: a
+        step logged in full, whose health was measured (on_train_batch_start)."""
+        pairs = named_scalers(pl_module.model)
+        return read_step(pairs, step, logged, self.health and logged) if pairs else None
+
+    def _per_tensor_metrics(self, stats: StepStats) -> dict[str, float]:
+        """The logged step's per-tensor keys; its figures kept for the dashboard's pictures (``last_logged``)."""
+        self.last_logged = {"step": stats.step, "clipped_frac": {
+            name: row.clipped / row.numel for name, row in zip(stats.names, stats.rows) if row.numel},
+            "sqnr_db": {name: h["sqnr_db"] for name, h in self.health_log.last.items()
+                        if h["step"] == stats.step and h["sqnr_db"] is not None}}
+        metrics = {}
+        for name, row in zip(stats.names, stats.rows):
+            metrics[f"amax/{name}"] = row.amax
+            if row.numel:  # quantized this step: the estimate it used, and what it clipped
+                metrics[f"a_hat/{name}"] = row.a_hat
+                metrics[f"sat/{name}/clipped_frac"] = row.clipped / row.numel
+        return metrics
+
+    def _forecast_metrics(self, stats: StepStats, say: bool) -> dict[str, float]:
+        """The forecast's metrics of the step (:func:`.forecast_log.forecast_metrics`)."""
+        return forecast_metrics(self.forecast, self._clip_headroom, stats, self.per_layer and stats.logged, say)
 
     def _tensor_summaries(self, pl_module: L.LightningModule) -> tuple[dict[str, dict], dict[str, dict]]:
         """Each quantized tensor's run totals over all ranks (a collective), what-if counts, health and fallback

@@ -38,7 +38,7 @@ from .hif8.patch import QuantReport, quantized_block_range, quantized_linears
 from .fsdp import grad_norm as global_grad_norm
 from .fsdp import local_tensors, shard_model
 from .flops import FlopsModel
-from .hif8.training import sync_and_advance
+from .hif8.training import resolve_gemms, sync_and_advance
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,18 @@ class QATModule(L.LightningModule):
         self.evaluator = None  # built lazily when benchmark batches arrive
         self._flops = FlopsModel(self.model)
         self._batch_shape: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the last batch
-        self.forget_kl = None  # KL to the initial model (eval.kl_cache.InitialKL), set by InitialEvaluationCallback
+        self.forget_kl = None  # KL to the initial model (eval.kl_cache.InitialKL): measure_forgetting
+        self.run_precision: str | None = None  # the precision a loaded checkpoint's run trained in (restore_run)
+
+    def measure_forgetting(self, tracker) -> None:
+        """Measure ``forget/kl`` on the validation batches with ``tracker`` (an :class:`~qat_app.eval.kl_cache.InitialKL`,
+        InitialEvaluationCallback's), or no longer (None)."""
+        self.forget_kl = tracker
+
+    def restore_run(self, precision: str | None) -> None:
+        """This module holds a finished run's weights, trained in ``precision`` (the exports' default dtypes)."""
+        self.run_precision = precision
+        self.eval()
 
     # --------------------------------------------------------------------------------- training
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels=None):
@@ -169,6 +180,7 @@ class QATModule(L.LightningModule):
         return self._flops.batch(*self._batch_shape, training=self.training)
 
     def on_fit_start(self) -> None:
+        resolve_gemms(self.model, self.device)
         if self.teacher is not None:  # not a registered module: Lightning does not move it; in the compute dtype
             from .export.qat_checkpoint import COMPUTE_DTYPES  # (that module reads QATModule checkpoints)
 

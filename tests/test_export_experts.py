@@ -94,7 +94,7 @@ def test_experts_export_reloads_exactly(tmp_path):
         assert [s.has_history for s in a.scalers()] == [s.has_history for s in b.scalers()], name
         assert a.get_extra_state() == b.get_extra_state()
     loaded_experts = loaded.get_submodule("model.layers.1.mlp.experts")
-    assert loaded_experts.gate_up[0].is_exported(loaded_experts.gate_up_proj[0])
+    assert loaded_experts.gate_up[0].weight_source.holds(loaded_experts.gate_up_proj[0])
 
 
 def test_exported_flag_falls_back_on_change_and_training(tmp_path):
@@ -103,10 +103,10 @@ def test_exported_flag_falls_back_on_change_and_training(tmp_path):
     loaded = load_hif8(tmp_path / "exp")
     experts = loaded.get_submodule("model.layers.1.mlp.experts")
     proj, weight = experts.gate_up[0], experts.gate_up_proj
-    stored = proj._exported_codes[0]
+    stored = proj.weight_source.codes
 
     def uses_stored_codes() -> bool:
-        return proj.quantized_weight(weight[0], torch.float32)[0].data_ptr() == stored.data_ptr()
+        return proj.quantized_weight(weight[0], torch.float32).saved.data_ptr() == stored.data_ptr()
 
     assert uses_stored_codes()  # the exported codes and scale, used as they are
     loaded.train()

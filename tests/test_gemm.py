@@ -23,7 +23,7 @@ from qat_app.hif8.errors import FieldError, RecipeError
 from qat_app.hif8.formats import get_format
 from qat_app.hif8.fp8_gemm import (FP8_TAILS, TAIL_DROP, TAIL_EXACT, _pad, e4m3_parts, e4m3_parts_of_codes,
                                    fp8_available, shift_for)
-from qat_app.hif8.gemm import Operand, apply_decode, decode_factor, decode_factors, resolve_gemm, scaled_mm
+from qat_app.hif8.gemm import GemmOperand, apply_decode, decode_factor, decode_factors, resolve_gemm, scaled_mm
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.recipe import RuntimeOptions
 from qat_app.hif8.training import sync_and_advance
@@ -139,17 +139,17 @@ def test_the_used_hif8_grid_is_exact_in_e4m3_above_a_bound(shift, exact_from):
 
 
 # ------------------------------------------------------------------------------------------- FP8 tensor cores
-def grid_operand(shape, scale: float, seed: int, tiny: int = 0) -> Operand:
+def grid_operand(shape, scale: float, seed: int, tiny: int = 0) -> GemmOperand:
     """An operand of HiF8 grid values of ``randn * 3`` under ``scale``, with ``tiny`` planted values far below
     2^-12 of the scale (the E4M3 tail)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=gen) * 3
     s = torch.tensor(scale)
     x.view(-1)[:tiny] = 2.0 ** torch.linspace(-21, -14, tiny) / s  # x * s in [2^-21, 2^-14]: the E4M3 tail
-    return Operand(get_format("hif8").round_f32((x * s).clamp(-15, 15)), s)
+    return GemmOperand(get_format("hif8").round_f32((x * s).clamp(-15, 15)), s)
 
 
-def accumulation_bound(a: Operand, b: Operand) -> torch.Tensor:
+def accumulation_bound(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
     """How far two fp32 evaluations of the same exact products may differ: (2K + 4) eps32 (|a| @ |b|) / (s_a s_b)
     (each sum of K terms in any order is within K eps of the exact one; the decode scales add a few roundings)."""
     k = a.values.shape[1]
@@ -168,14 +168,14 @@ def test_fp8_exact_tail_equals_the_emulation_up_to_the_accumulation_order(shape)
     assert ((fp8.double() - emulated.double()).abs() <= accumulation_bound(a, b)).all()
 
 
-def coarse_grid_operand(shape, scale: float, seed: int) -> Operand:
+def coarse_grid_operand(shape, scale: float, seed: int) -> GemmOperand:
     """HiF8 grid values of magnitude 1..15 (multiples of 1/8) under a ``scale`` that is no power of two: with K <= 64
     every partial sum of products is a multiple of 2^-6 under 2^14, exact in fp32, so any accumulation order gives
     the same accumulator and the GEMMs may differ only in how they decode it."""
     gen = torch.Generator().manual_seed(seed)
     magnitude = 1 + torch.randint(0, 8 * 14 + 1, shape, generator=gen) / 8.0
     values = get_format("hif8").round_f32(magnitude * torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0))
-    return Operand(values, torch.tensor(scale))
+    return GemmOperand(values, torch.tensor(scale))
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -195,7 +195,7 @@ def test_fp8_applies_the_emulated_decode_factor_once(tail, scales, out_dtype, wi
     a, b = coarse_grid_operand((48, 64), scales[0], seed=1), coarse_grid_operand((40, 64), scales[1], seed=2).t()
     bias = torch.arange(40, dtype=torch.float32) / 8 - 2.5 if with_bias else None  # added after the factor
     emulated = scaled_mm(a, b, out_dtype, bias=bias)
-    a, b = (Operand(op.values.to(device), op.scale.to(device)) for op in (a, b))
+    a, b = (GemmOperand(op.values.to(device), op.scale.to(device)) for op in (a, b))
     fp8 = scaled_mm(a, b, out_dtype, bias=None if bias is None else bias.to(device), fp8_tail=tail).cpu()
     assert fp8.dtype == out_dtype
     assert torch.equal(fp8, emulated), f"{int((fp8 != emulated).sum())} of {fp8.numel()} differ"
@@ -210,10 +210,10 @@ def test_fp8_drop_leaves_out_the_tail_and_its_error_is_measured():
     a, b = grid_operand((40, 96), 2.7, seed=3, tiny=11), grid_operand((24, 96), 41.3, seed=4, tiny=7).t()
     dropped = scaled_mm(a, b, torch.float32, fp8_tail=TAIL_DROP)
     # the tail, independently: the values that are not E4M3 after the shift (16 for max_val 15)
-    def without_tail(op: Operand) -> Operand:
+    def without_tail(op: GemmOperand) -> GemmOperand:
         shifted = op.values * shift_for(15.0)
         keep = shifted.to(torch.float8_e4m3fn).float() == shifted
-        return Operand(torch.where(keep, op.values, 0.0), op.scale)
+        return GemmOperand(torch.where(keep, op.values, 0.0), op.scale)
     reference = scaled_mm(without_tail(a), without_tail(b), torch.float32)
     assert ((dropped.double() - reference.double()).abs() <= accumulation_bound(a, b)).all()
     assert (without_tail(a).values != a.values).sum() == 11  # the planted values, and only them, were the tail
@@ -383,7 +383,7 @@ def test_fp8_from_codes_equals_fp8_from_grid_values(tail):
     a = grid_operand((40, 96), 2.7, seed=3, tiny=11)
     codes = torch.from_numpy(a.values.numpy().astype(HIF8).view(np.uint8))
     b = grid_operand((24, 96), 41.3, seed=4, tiny=7).t()
-    with_codes = scaled_mm(Operand(a.values, a.scale, codes=codes), b, torch.bfloat16, fp8_tail=tail)
+    with_codes = scaled_mm(GemmOperand(a.values, a.scale, codes=codes), b, torch.bfloat16, fp8_tail=tail)
     assert torch.equal(with_codes, scaled_mm(a, b, torch.bfloat16, fp8_tail=tail))
 
 

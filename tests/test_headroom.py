@@ -99,7 +99,7 @@ def test_digest_suggests_per_operand_only_where_it_pays_and_never_more_clipping(
     health = torch.stack([measure_health(x, 15.0 / m, 15.0, HIF8) for x, m in zip(xs, amax)])
     grid = validate_grid(DEFAULT_GRID)
     estimate = estimate_headroom(health, amax, amax, grid)
-    out = digest(names, estimate, {"input": 15.0, "weight": 15.0})
+    out = digest(names, [n.rsplit(".", 1)[1] for n in names], estimate, {"input": 15.0, "weight": 15.0})
     assert out["grid"] == list(grid) and set(out["by_operand"]) == {"input", "weight"} and set(out["by_block"]) == {"3", "4"}
     run = grid.index(15.0)
     for operand, entry in out["by_operand"].items():
@@ -151,7 +151,7 @@ def test_the_report_renders_each_runs_headroom_or_says_it_was_not_recorded():
     amax = x.abs().max().reshape(1)
     grid = validate_grid(DEFAULT_GRID)
     estimate = estimate_headroom(measure_health(x, 15.0 / amax[0], 15.0, HIF8)[None], amax, amax, grid)
-    entry = {"step": 7, **digest(["layers.2.mlp.down_proj.input"], estimate, {"input": 15.0})}
+    entry = {"step": 7, **digest(["layers.2.mlp.down_proj.input"], ["input"], estimate, {"input": 15.0})}
     lines = render_headroom([{"label": "qat", "saturation": {"headroom": entry}}, {"label": "old", "saturation": {}}])
     header = next(i for i, line in enumerate(lines) if line.startswith("### `qat` (step 7)"))
     assert f"suggested max_val {entry['suggested']['all']:g}" in lines[header]
@@ -176,7 +176,7 @@ def test_the_report_sets_each_runs_estimate_against_the_runs_made_at_other_max_v
     runs = []
     for label, max_val in (("mv15", 15.0), ("mv4", 4.0)):
         health = measure_health(x, max_val / amax[0], max_val, HIF8)
-        entry = {"step": 5, **digest(["layers.1.mlp.up_proj.input"], estimate_headroom(health[None], amax, amax, grid),
+        entry = {"step": 5, **digest(["layers.1.mlp.up_proj.input"], ["input"], estimate_headroom(health[None], amax, amax, grid),
                                      {"input": max_val})}
         sqnr, clipped = exact(x, amax[0], max_val)
         entry["measured"] = {"sqnr_db": sqnr, "clipped": clipped}

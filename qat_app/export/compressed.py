@@ -411,8 +411,10 @@ def export_compressed_tensors(
             serves on CUDA and, slowly, on the CPU), ``cuda`` (FP8, the trained static input scales; vLLM's CUDA
             kernels) or ``cpu`` (int8 weights and per-token inputs, :mod:`.int8`: what vLLM serves fast on a CPU).
     """
-    model, tokenizer, info, storage_dtype, cdtype = export_source(
-        module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype", compute_dtype_field="--compute_dtype")
+    source = export_source(module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype",
+                           compute_dtype_field="--compute_dtype")
+    model, tokenizer, info = source.model, source.tokenizer, source.info
+    storage_dtype, cdtype = source.storage_dtype, source.compute_dtype
     schemes, ignored, experts = _servable_plan(model, serve_target)
     staging = StagingDir(out_dir, overwrite, REPORT_FILE)  # refuse an existing run / export before any work
 

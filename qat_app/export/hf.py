@@ -43,8 +43,9 @@ def export_hf(
     """
     if weights not in ("master", "quantized"):
         raise ValueError(f"weights must be 'master' or 'quantized', got {weights!r}")
-    model, module_tokenizer, info = unwrap(module_or_model)
-    tokenizer = tokenizer if tokenizer is not None else module_tokenizer
+    source = unwrap(module_or_model)
+    model, info = source.model, source.info
+    tokenizer = tokenizer if tokenizer is not None else source.tokenizer
     staging = StagingDir(out_dir, overwrite, HF_EXPORT_INFO)  # refuse an existing export before copying anything
     plain = copy.deepcopy(model)
     cdtype = resolve_dtype(compute_dtype) if compute_dtype is not None else None

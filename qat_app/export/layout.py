@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QATError
-from ..hif8.quantized import SCALER_NAMES  # noqa: F401  (the scalers' state keys, as the export names them)
+from ..hif8.operand import SCALER_NAMES  # noqa: F401  (the scalers' state keys, as the export names them)
 
 LAYOUT_FILE = "hif8_layout.json"
 WEIGHTS_FILE = "model.hif8.safetensors"

@@ -51,8 +51,7 @@ def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trus
         module.load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"{path}: the state dict does not fit the QATModule its hyper-parameters describe: {err}") from None
-    module.eval()
-    module.run_precision = (ckpt.get(CHECKPOINT_KEY) or {}).get("precision")
+    module.restore_run((ckpt.get(CHECKPOINT_KEY) or {}).get("precision"))
     return module
 
 

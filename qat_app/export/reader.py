@@ -18,6 +18,7 @@ from ..hif8.patch import _set_submodule
 from ..hif8.quantized import QuantizedMatmul
 from ..models import resolve_dtype
 from .layout import LAYOUT_FILE, ROLE_BUFFER, ROLE_CODES, ROLE_SCALE, ExportError, read_layout, read_weights
+from .stored_weight import StoredWeight
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +26,16 @@ log = logging.getLogger(__name__)
 class HiF8ExportedLinear(HiF8Linear):
     """A ``HiF8Linear`` loaded from an 8-bit export; its weight holds ``decode(codes) / scale``.
 
-    :func:`load_hif8` marks the weight (:meth:`~qat_app.hif8.quantized.QuantizedMatmul.mark_exported`, the one
-    exported-weight hook of every quantized matmul, MoE experts' projections included): in eval mode, while
-    the weight is the loaded one (moving the model to another device or dtype keeps it; any in-place change
-    or a new parameter does not), the forward pass uses it directly, cast to the compute dtype, which is
-    exactly the fake-quantized weight of the exported QAT model; the mark also keeps the stored codes and scale, so
-    the forward's GEMM runs over the same grid values with the same decode scale as training did. Otherwise
-    (training mode, or a changed weight) it behaves as ``HiF8Linear``.
+    :func:`load_hif8` gives it (and every quantized matmul, MoE experts' projections included) a
+    :class:`~qat_app.export.stored_weight.StoredWeight`: in eval mode, while the weight is the loaded one, the
+    forward's GEMM runs over the stored codes and scale, exactly the fake-quantized weight of the exported QAT model.
+    Otherwise (training mode, or a changed weight) it behaves as ``HiF8Linear``.
     """
+
+    @property
+    def uses_exported_weight(self) -> bool:
+        """The weight is the one :func:`load_hif8` loaded, unchanged since."""
+        return self.weight_source is not None and self.weight_source.holds(self.weight)
 
 
 def _build_model(out_dir: Path, layout: dict, dtype, trust_remote_code: bool) -> nn.Module:
@@ -220,6 +223,6 @@ def load_hif8(
     _restore_scaler_flags(model, layout)
     model.to(device)
     for layer, weight, codes, scale in _exported_weights(model, layout, tensors):
-        layer.mark_exported(weight, codes.to(weight.device), scale.to(weight.device))
+        layer.weight_source = StoredWeight(weight, codes.to(weight.device), scale.to(weight.device))
     model.eval()
     return model

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -15,16 +16,25 @@ from ..config import QuantConfig
 from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
+from ..hif8.operand import Operand
 from ..hif8.patch import quantized_linears
 from .common import StagingDir, export_source, quant_of, same, save_inventory, save_model_files
 from .layout import (LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE, ROLE_OTHER,
-                     ROLE_SCALE, ROLE_SCALER, SCALER_NAMES, WEIGHTS_FILE, ExportError, dtype_name)
+                     ROLE_SCALE, ROLE_SCALER, WEIGHTS_FILE, ExportError, dtype_name)
 
 log = logging.getLogger("qat_app.export")
 
 
+class WeightCodes(NamedTuple):
+    """A weight as the QAT forward pass quantizes it."""
+
+    codes: torch.Tensor  # uint8 (``[E, ...]`` for a fused experts parameter)
+    scale: torch.Tensor  # float32, 0-d (``[E]``: one per expert)
+    dequantized: torch.Tensor  # ``decode(codes) / scale`` in the compute dtype
+
+
 @torch.no_grad()
-def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None) -> WeightCodes:
     """The weight as the QAT forward pass quantizes it -> (uint8 codes, float32 scalar scale, dequantized).
 
     The scale is the weight scaler's choice (:meth:`AmaxScaler.quantize`, as in training). Plain torch
@@ -34,11 +44,11 @@ def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None)
     return _quantize_tensor(layer.weight, layer, compute_dtype or layer.weight.dtype)
 
 
-def _quantize_tensor(weight: torch.Tensor, owner, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_tensor(weight: torch.Tensor, owner, dtype: torch.dtype) -> WeightCodes:
     """``weight`` quantized by ``owner``'s weight scaler (a HiF8Linear or an expert's projection), in plain
-    torch -> (uint8 codes, float32 0-d scale, dequantized in ``dtype``)."""
+    torch (dequantized in ``dtype``)."""
     result, scale = owner.weight_scaler.quantize(weight.detach().to(dtype), owner.format, want_codes=True, fused="off")
-    return result.codes, scale.detach().float().reshape(()).clone(), result.dequantized
+    return WeightCodes(result.codes, scale.detach().float().reshape(()).clone(), result.dequantized)
 
 
 # a fused experts parameter and the per-expert projections that quantize its slices
@@ -47,13 +57,13 @@ EXPERT_PARAMS = HiF8Experts.PARAMS
 
 @torch.no_grad()
 def quantize_experts_param(experts: HiF8Experts, param: str, compute_dtype: torch.dtype | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           ) -> WeightCodes:
     """One fused parameter of an MoE experts module (``gate_up_proj`` or ``down_proj``) as the QAT forward
     pass quantizes it, expert by expert (each with its own weight scaler) -> (uint8 codes ``[E, ...]``,
     float32 scales ``[E]``, dequantized ``[E, ...]`` in ``compute_dtype``)."""
     dtype = compute_dtype or getattr(experts, param).dtype
     codes, scales, dequantized = zip(*(_quantize_tensor(weight, proj, dtype) for proj, weight in experts.projections(param)))
-    return torch.stack(codes), torch.stack(scales), torch.stack(dequantized)
+    return WeightCodes(torch.stack(codes), torch.stack(scales), torch.stack(dequantized))
 
 
 @torch.no_grad()
@@ -81,6 +91,7 @@ class _Tensors:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.entries: dict[str, dict] = {}
+        self.rounded: list[str] = []  # the floating tensors their storage dtype does not hold exactly
 
     def add(self, key: str, tensor: torch.Tensor, role: str, source: torch.Tensor | None = None) -> None:
         self.tensors[key] = tensor.detach().contiguous().cpu()
@@ -89,11 +100,17 @@ class _Tensors:
             entry["source_dtype"] = dtype_name(source.dtype)
         self.entries[key] = entry
 
-    def add_stored(self, key: str, value: torch.Tensor, storage_dtype: torch.dtype) -> bool:
-        """A floating tensor in ``storage_dtype`` (role dense) -> whether that is lossless."""
+    def add_stored(self, key: str, value: torch.Tensor, storage_dtype: torch.dtype) -> None:
+        """A floating tensor in ``storage_dtype`` (role dense), noted in :attr:`rounded` where that is not exact."""
         stored = value.detach().to(storage_dtype)
         self.add(key, stored, ROLE_DENSE, value)
-        return same(stored.to(value.dtype), value.detach())
+        if not same(stored.to(value.dtype), value.detach()):
+            self.rounded.append(key)
+
+    @property
+    def lossless(self) -> bool:
+        """Every tensor is stored exactly (codes and scales always are)."""
+        return not self.rounded
 
     def _bytes(self, *roles: str, per_element: int | None = None) -> int:
         return sum(self.tensors[k].numel() * (per_element or self.tensors[k].element_size())
@@ -118,8 +135,8 @@ def why_dense(layer) -> str:
 
 
 def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.dtype,
-               storage_dtype: torch.dtype) -> tuple[dict[str, Any], bool]:
-    """One quantized linear: its weight as codes + scale (or dense, weight quantization off) -> (record, lossless)."""
+               storage_dtype: torch.dtype) -> dict[str, Any]:
+    """One quantized linear: its weight as codes + scale (or dense, weight quantization off) -> its record."""
     record: dict[str, Any] = {
         "format": layer.recipe.format,
         "shape": list(layer.weight.shape),
@@ -131,9 +148,9 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
     }
     if not layer.quantize_weights:
         log.warning("%s: %s: stored in %s", name, why_dense(layer), storage_dtype)
-        lossless = out.add_stored(f"{name}.weight", layer.weight, storage_dtype)
+        out.add_stored(f"{name}.weight", layer.weight, storage_dtype)
         record.update(weight="dense")
-        return record, lossless
+        return record
     codes, scale, dequantized = quantize_weight(layer, layer_dtype)
     check = dequantize_codes(codes, scale, layer.recipe.format, layer_dtype)
     if not same(check, dequantized):  # cannot happen: decode is exact; guards format changes
@@ -141,13 +158,13 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
     out.add(f"{name}.weight.codes", codes, ROLE_CODES, layer.weight)
     out.add(f"{name}.weight.scale", scale, ROLE_SCALE)
     record.update(weight="codes", codes=f"{name}.weight.codes", scale=f"{name}.weight.scale")
-    return record, True
+    return record
 
 
 def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: torch.dtype,
-                 storage_dtype: torch.dtype) -> tuple[dict[str, Any], set[str], bool]:
+                 storage_dtype: torch.dtype) -> dict[str, Any]:
     """One quantized MoE experts module: each fused parameter as uint8 codes ``[E, ...]`` + float32 scales
-    ``[E]`` (or dense, weight quantization off) -> (record, the state keys it stored, lossless)."""
+    ``[E]`` (or dense, weight quantization off) -> its record (:func:`_experts_keys`: the state keys it stored)."""
     first = experts.gate_up[0]
     record: dict[str, Any] = {
         "format": first.recipe.format,
@@ -157,8 +174,6 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
         "params": {},
         "projections": {},
     }
-    keys: set[str] = set()
-    lossless = True
     for param, proj_name in EXPERT_PARAMS:
         weight = getattr(experts, param)
         projections = getattr(experts, proj_name)
@@ -174,7 +189,7 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
         if switches != {True}:
             off = next(proj for proj in projections if not proj.quantize_weights)
             log.warning("%s.%s: for some experts, %s: stored in %s", name, param, why_dense(off), storage_dtype)
-            lossless &= out.add_stored(f"{name}.{param}", weight, storage_dtype)
+            out.add_stored(f"{name}.{param}", weight, storage_dtype)
             entry["weight"] = "dense"
         else:
             codes, scales, dequantized = quantize_experts_param(experts, param, layer_dtype)
@@ -184,18 +199,21 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
             out.add(f"{name}.{param}.codes", codes, ROLE_CODES, weight)
             out.add(f"{name}.{param}.scales", scales, ROLE_SCALE)
             entry.update(weight="codes", codes=f"{name}.{param}.codes", scales=f"{name}.{param}.scales")
-            keys.add(f"{name}.{param}")
         record["params"][param] = entry
-    keys.update(f"{name}.{proj}._extra_state" for proj in record["projections"])
-    return record, keys, lossless
+    return record
+
+
+def _experts_keys(name: str, record: dict[str, Any]) -> set[str]:
+    """The state keys an experts module's record stored: its parameters kept as codes, its projections' extra state."""
+    return ({f"{name}.{param}" for param, entry in record["params"].items() if entry["weight"] == "codes"}
+            | {f"{name}.{proj}._extra_state" for proj in record["projections"]})
 
 
 def _add_state(out: _Tensors, state: dict, layer_keys: set[str], quantized: set[str],
-               storage_dtype: torch.dtype) -> tuple[dict[str, str], bool]:
+               storage_dtype: torch.dtype) -> dict[str, str]:
     """Every other state-dict tensor (scaler state unchanged, floats in ``storage_dtype``, shared storage
-    once) -> (aliases, lossless)."""
+    once) -> the aliases (key -> the key stored with the same storage)."""
     aliases: dict[str, str] = {}
-    lossless = True
     seen: dict[tuple, str] = {}
     for key, value in state.items():
         if key in layer_keys or not isinstance(value, torch.Tensor):
@@ -207,13 +225,14 @@ def _add_state(out: _Tensors, state: dict, layer_keys: set[str], quantized: set[
         if identity is not None:
             seen[identity] = key
         owner = key.rpartition(".")[0]
-        if owner.rpartition(".")[2] in SCALER_NAMES and owner.rpartition(".")[0] in quantized:
+        layer, operand = Operand.of_scaler(owner)
+        if operand is not None and layer in quantized:
             out.add(key, value, ROLE_SCALER)
         elif value.is_floating_point():
-            lossless &= out.add_stored(key, value, storage_dtype)
+            out.add_stored(key, value, storage_dtype)
         else:
             out.add(key, value, ROLE_OTHER)
-    return aliases, lossless
+    return aliases
 
 
 def _add_nonpersistent_buffers(out: _Tensors, model: nn.Module, state: dict) -> None:
@@ -224,9 +243,17 @@ def _add_nonpersistent_buffers(out: _Tensors, model: nn.Module, state: dict) -> 
             out.add(key, buf, ROLE_BUFFER)
 
 
-def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, *, weights_bytes: int,
-            model_dtype: torch.dtype, storage_dtype: torch.dtype, lossless: bool, quantized: dict,
-            aliases: dict, experts: dict) -> dict:
+@dataclass(frozen=True)
+class ModelTensors:
+    """What :func:`_add_model_tensors` stored besides the tensors themselves: the layout's records."""
+
+    quantized: dict[str, dict]  # quantized linear -> its record
+    experts: dict[str, dict]  # quantized experts module -> its record
+    aliases: dict[str, str]  # state key -> the key stored with the same storage
+
+
+def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, stored: ModelTensors, *,
+            weights_bytes: int, model_dtype: torch.dtype, storage_dtype: torch.dtype) -> dict:
     return {
         "format": LAYOUT_FORMAT,
         "version": LAYOUT_VERSION,
@@ -235,44 +262,39 @@ def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, *, 
         "model_class": type(model).__name__,
         "model_dtype": dtype_name(model_dtype),
         "storage_dtype": dtype_name(storage_dtype),
-        "lossless": lossless,
+        "lossless": out.lossless,
         "trust_remote_code": bool(info.get("trust_remote_code", False) or getattr(model, "_auto_class", None)),
         "source": info.get("model_name"),
         "quant": quant.to_dict(),
-        "quantized_layers": quantized,
-        "quantized_experts": experts,
+        "quantized_layers": stored.quantized,
+        "quantized_experts": stored.experts,
         "experts_implementation": getattr(model.config, "_experts_implementation", None),
-        "aliases": aliases,
+        "aliases": stored.aliases,
         "tensors": out.entries,
         "bytes": out.bytes_by_role(),
     }
 
 
 def _add_model_tensors(out: _Tensors, model: nn.Module, layers: list, state: dict, cdtype: torch.dtype | None,
-                       storage_dtype: torch.dtype) -> tuple[dict[str, dict], dict[str, dict], dict[str, str], bool]:
+                       storage_dtype: torch.dtype) -> ModelTensors:
     """Every tensor of ``model`` into ``out``: the quantized linears and experts modules as codes, then the rest of
-    the state and the non-persistent buffers -> (quantized layers, quantized experts, aliases, lossless)."""
+    the state and the non-persistent buffers."""
     quantized: dict[str, dict] = {}
     layer_keys: set[str] = set()
-    lossless = True
     for name, layer in layers:
         if not isinstance(layer, HiF8Linear):  # an MoE expert's projection: stored with its experts module below
             continue
         layer_keys.update((f"{name}.weight", f"{name}._extra_state"))
-        quantized[name], layer_lossless = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype)
-        lossless &= layer_lossless
+        quantized[name] = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype)
     experts: dict[str, dict] = {}
     for name, module in model.named_modules():
         if isinstance(module, HiF8Experts):
-            experts[name], keys, experts_lossless = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype,
-                                                                 storage_dtype)
-            layer_keys |= keys
-            lossless &= experts_lossless
+            experts[name] = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype, storage_dtype)
+            layer_keys |= _experts_keys(name, experts[name])
     scaler_owners = set(quantized) | {name for name, layer in layers if not isinstance(layer, HiF8Linear)}
-    aliases, state_lossless = _add_state(out, state, layer_keys, scaler_owners, storage_dtype)
-    lossless &= state_lossless
+    aliases = _add_state(out, state, layer_keys, scaler_owners, storage_dtype)
     _add_nonpersistent_buffers(out, model, state)
-    return quantized, experts, aliases, lossless
+    return ModelTensors(quantized, experts, aliases)
 
 
 def export_hif8(
@@ -297,7 +319,8 @@ def export_hif8(
     """
     from safetensors.torch import save_file
 
-    model, tokenizer, info, storage_dtype, cdtype = export_source(module_or_model, tokenizer, dtype, compute_dtype)
+    source = export_source(module_or_model, tokenizer, dtype, compute_dtype)
+    model, storage_dtype = source.model, source.storage_dtype
     layers = quantized_linears(model)
     if not layers:
         raise ExportError(
@@ -309,9 +332,9 @@ def export_hif8(
     state = model.state_dict()
 
     out = _Tensors()
-    quantized, experts, aliases, lossless = _add_model_tensors(out, model, layers, state, cdtype, storage_dtype)
+    stored = _add_model_tensors(out, model, layers, state, source.compute_dtype, storage_dtype)
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if not lossless:
+    if not out.lossless:
         log.warning(
             "unquantized tensors of the %s model are not exactly representable in %s: the reloaded model will differ "
             "from this one by that rounding (export with dtype=float32 for an exact copy)",
@@ -320,14 +343,13 @@ def export_hif8(
     with staging as tmp:
         weights_path = Path(tmp) / WEIGHTS_FILE
         save_file(out.tensors, str(weights_path), metadata={"format": "pt", "qat_app_layout": LAYOUT_FILE})
-        save_model_files(model, tokenizer, tmp)
+        save_model_files(model, source.tokenizer, tmp)
         save_inventory(module_or_model, tmp)
-        layout = _layout(model, info, quant, out, weights_bytes=weights_path.stat().st_size, model_dtype=model_dtype,
-                         storage_dtype=storage_dtype, lossless=lossless, quantized=quantized, aliases=aliases,
-                         experts=experts)
+        layout = _layout(model, source.info, quant, out, stored, weights_bytes=weights_path.stat().st_size,
+                         model_dtype=model_dtype, storage_dtype=storage_dtype)
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
     log.info(
         "HiF8 export: %d quantized linears, %d quantized experts modules (%d params in %d bytes of codes), %s in %s",
-        len(quantized), len(experts), layout["bytes"]["codes"], layout["bytes"]["codes"], dtype_name(storage_dtype), out_dir,
+        len(stored.quantized), len(stored.experts), layout["bytes"]["codes"], layout["bytes"]["codes"], dtype_name(storage_dtype), out_dir,
     )
     return layout

@@ -16,9 +16,8 @@ Everything else is as for :class:`~qat_app.hif8.linear.HiF8Linear`: both are a
 :class:`~qat_app.hif8.quantized.QuantizedMatmul` (the same scalers, weight quantization, plan, autograd
 function and switches), so the warmup switch, the saturation counters, the batched scaler update and
 checkpoints cover the experts too. The 8-bit export stores each fused parameter as per-expert uint8 codes
-+ scales; its reader marks each projection's weight slice with its codes and scale (:meth:`QuantizedMatmul.mark_exported
-<qat_app.hif8.quantized.QuantizedMatmul.mark_exported>`) so that in eval mode they run on exactly what training
-computed.
++ scales; its reader gives each projection its weight slice's codes and scale (``weight_source``:
+:mod:`qat_app.export.stored_weight`) so that in eval mode they run on exactly what training computed.
 """
 
 from __future__ import annotations

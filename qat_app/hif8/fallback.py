@@ -25,7 +25,8 @@ from .errors import FieldError
 from .counters import HEALTH, gather_columns
 from .health import FIELDS as HEALTH_FIELDS, sqnr_from_powers
 from .patch import quantized_linears
-from .quantized import FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, OPERANDS, QuantizedMatmul
+from .operand import Operand
+from .quantized import FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, QuantizedMatmul
 from .sqnr_bound import gaussian_sqnr_bound
 
 SATURATION, LOW_SQNR = "persistent saturation", "SQNR under the floor"
@@ -168,7 +169,7 @@ class FallbackMonitor:
     @classmethod
     def for_model(cls, policy: FallbackPolicy, model: nn.Module) -> "FallbackMonitor":
         """A monitor of every quantized tensor of ``model`` (names ``<layer>.<operand>``, as :func:`quantized_tensors`)."""
-        return cls(policy, [f"{name}.{operand}" for name, _, operand in quantized_tensors(model)])
+        return cls(policy, [operand.tensor_name(name) for name, _, operand in quantized_tensors(model)])
 
     def start(self, events: torch.Tensor, quantized_steps: torch.Tensor) -> None:
         """Evidence starts from these counters (a fresh run: zeros; a run resumed without fallback state: its
@@ -273,16 +274,16 @@ class FallbackMonitor:
         self.stopped = dict(state["stopped"]) if state.get("stopped") is not None else None  # older states: none
 
 
-def quantized_tensors(model: nn.Module) -> list[tuple[str, QuantizedMatmul, str]]:
+def quantized_tensors(model: nn.Module) -> list[tuple[str, QuantizedMatmul, Operand]]:
     """``(layer name, layer, operand)`` of every quantized tensor of ``model`` (the operands with a scaler), in
     model order: the order of the saturation logs and of :class:`FallbackMonitor`'s names."""
     return [(name, layer, operand) for name, layer in quantized_linears(model)
-            for operand in OPERANDS if layer.scaler_of(operand) is not None]
+            for operand in Operand if layer.scaler_of(operand) is not None]
 
 
 def fallen_back(model: nn.Module) -> list[dict]:
     """Every fallback decision of ``model``: ``{"module", "operand", "target", "step", "reason", "evidence"}``."""
-    return [{"module": name, "operand": operand, **layer.fallback[operand]}
+    return [{"module": name, "operand": str(operand), **layer.fallback[operand]}
             for name, layer, operand in quantized_tensors(model) if operand in layer.fallback]
 
 
@@ -300,9 +301,9 @@ def read_counters(pairs: list, health: bool) -> tuple[torch.Tensor, torch.Tensor
     return columns["saturation_events"].long(), columns["quantized_steps"].long(), sqnr
 
 
-def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, str]]) -> list[tuple[str, object]]:
+def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, Operand]]) -> list[tuple[str, object]]:
     """``(layer.operand, scaler)`` of :func:`quantized_tensors`' entries, as :mod:`.counters` reads them."""
-    return [(f"{name}.{operand}", layer.scaler_of(operand)) for name, layer, operand in tensors]
+    return [(operand.tensor_name(name), layer.scaler_of(operand)) for name, layer, operand in tensors]
 
 
 def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int) -> list[dict]:
@@ -333,7 +334,7 @@ def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int) -> list
         layer.fall_back(operand, policy.remedy(decision.reason), step=step, reason=decision.reason,
                         evidence=decision.evidence, events_at=int(events[i]), steps_at=int(steps[i]),
                         sqnr_at=None if sqnr is None or math.isnan(float(sqnr[i])) else round(float(sqnr[i]), 2))
-        new.append({"module": name, "operand": operand, **layer.fallback[operand]})
+        new.append({"module": name, "operand": str(operand), **layer.fallback[operand]})
     if monitor.stopped is not None and "step" not in monitor.stopped:
         monitor.stopped["step"] = step
     return new
@@ -365,7 +366,7 @@ def verify_decisions(tensors: list, policy: FallbackPolicy, events: torch.Tensor
         else:
             continue
         record["verified"] = {"step": step, "worked": worked, "text": text}
-        done.append({"module": name, "operand": operand, **record})
+        done.append({"module": name, "operand": str(operand), **record})
     return done
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import Counter
 
 from .fallback import pending_verification
-from .headroom import block_of, operand_of
+from .headroom import block_of
+from .operand import Operand
 from .inventory import block_ranges
 from .recipe import DEFAULT_BLOCK_PATTERN
 
@@ -31,7 +32,7 @@ def group_decisions(entries: list[dict], block_pattern: str = DEFAULT_BLOCK_PATT
         block = block_of(_tensor(entry), block_pattern)
         if block is not None:
             group["blocks"].append(block)
-        group["operands"][operand_of(_tensor(entry))] += 1
+        group["operands"][entry.get("operand") or Operand.of_tensor(_tensor(entry))[1]] += 1
         group["steps"].append(int(entry["step"]))
         verified = entry.get("verified")
         key = "pending" if pending_verification(entry) else ("worked" if verified["worked"] else "did_not_work")

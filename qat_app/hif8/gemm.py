@@ -1,6 +1,6 @@
 """How the product of a quantized matmul is computed: like the hardware, over the 8-bit grid.
 
-An :class:`Operand` is one side of a GEMM: the grid values ``q`` (exact in bf16, fp16 and fp32) with their scale
+A :class:`GemmOperand` is one side of a GEMM: the grid values ``q`` (exact in bf16, fp16 and fp32) with their scale
 ``s``, or an unquantized tensor (scale None). :func:`scaled_mm` computes ``a @ b`` from two of them in one of
 :data:`GEMM_MODES` (:func:`resolve_gemm`): ``emulated`` (the default), ``fp8`` (the same product on FP8 tensor
 cores, :mod:`.fp8_gemm`), ``dequantize_first`` or ``auto``. Contract of ``emulated``: the grid values are
@@ -29,12 +29,12 @@ log = logging.getLogger(__name__)
 
 GEMM_AUTO, GEMM_EMULATED, GEMM_FP8, GEMM_DEQUANTIZE_FIRST = "auto", "emulated", "fp8", "dequantize_first"
 GEMM_MODES = (GEMM_AUTO, GEMM_EMULATED, GEMM_FP8, GEMM_DEQUANTIZE_FIRST)
-__all__ = ["FP8_TAILS", "GEMM_MODES", "Operand", "TAIL_DROP", "apply_decode", "column_sums", "decode_factors", "resolve_gemm", "scaled_linear", "scaled_mm"]
+__all__ = ["FP8_TAILS", "GEMM_MODES", "GemmOperand", "TAIL_DROP", "apply_decode", "column_sums", "decode_factors", "resolve_gemm", "scaled_linear", "scaled_mm"]
 _resolved: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
-class Operand:
+class GemmOperand:
     """One side of a GEMM: ``values`` (grid values, or the tensor itself) and its scale ``s`` (a 0-d float32
     tensor: the grid values are those of ``x * s``; None when ``values`` are not quantized).
 
@@ -54,11 +54,11 @@ class Operand:
     def quantized(self) -> bool:
         return self.scale is not None
 
-    def t(self) -> "Operand":
+    def t(self) -> "GemmOperand":
         return replace(self, values=self.values.t(), codes=None if self.codes is None else self.codes.t(),
                        fp8=self.fp8_t, fp8_t=self.fp8)
 
-    def flat(self) -> "Operand":
+    def flat(self) -> "GemmOperand":
         """As 2-D (``[-1, last]``)."""
         def flat(t):
             return None if t is None else t.reshape(-1, t.shape[-1])
@@ -124,7 +124,7 @@ def time_gemms(device: torch.device, shape: tuple[int, int, int], repeats: int =
     median of ``repeats`` after a warm-up; host syncs, once, at the first forward)."""
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
-    ops = [Operand(torch.randn(rows, k, generator=gen, device=device).clamp(-15, 15).to(torch.bfloat16),
+    ops = [GemmOperand(torch.randn(rows, k, generator=gen, device=device).clamp(-15, 15).to(torch.bfloat16),
                    torch.ones((), device=device)) for rows in (m, n)]
     a, b = ops[0], ops[1].t()
     seconds = {}
@@ -191,7 +191,7 @@ def apply_decode(accumulator: torch.Tensor, decode: torch.Tensor, out_dtype: tor
     return last(accumulator, operand, out=out)
 
 
-def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
+def scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
               fp8_tail: str | None = None, decode: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b (+ bias)`` of 2-D operands in ``out_dtype``: over the grid with the decode factor (``decode`` when the
     caller made it, :func:`decode_factor` of the scales else) and the bias on the fp32 accumulator when either is
@@ -208,7 +208,7 @@ def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, *, bias: torch.Ten
     return apply_decode(_fp32_accumulate(a.values, b.values), decode, out_dtype, bias)
 
 
-def scaled_linear(x: Operand, w: Operand, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
+def scaled_linear(x: GemmOperand, w: GemmOperand, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
                   fp8_tail: str | None = None, decode: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for an N-D ``x`` (``[..., in]``) and a ``[out, in]`` weight (:func:`scaled_mm`; two
     unquantized operands go through ``F.linear``, as an unquantized layer)."""
@@ -220,7 +220,7 @@ def scaled_linear(x: Operand, w: Operand, out_dtype: torch.dtype, *, bias: torch
     return torch.ops.aten._unsafe_view(out, (*x.values.shape[:-1], out.shape[-1]))
 
 
-def column_sums(g: Operand) -> torch.Tensor:
+def column_sums(g: GemmOperand) -> torch.Tensor:
     """The bias gradient of a 2-D output gradient: its column sums (over the grid: in fp32, then the decode scale)."""
     if not g.quantized:
         return g.values.sum(0)

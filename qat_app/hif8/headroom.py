@@ -223,11 +223,6 @@ ACCURACY_DB = 0.75
 PAYS_DB = 1.0
 
 
-def operand_of(name: str) -> str:
-    """``layers.7.mlp.up_proj.input`` -> ``input``."""
-    return name.rsplit(".", 1)[-1]
-
-
 def block_of(name: str, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> int | None:
     """The decoder-block index of a tensor's name by the selection's ``block_pattern`` (None outside any block)."""
     match = re.search(block_pattern, name + ".")
@@ -243,14 +238,15 @@ def _gain(value: float | None) -> dict:
     return {"gain_db": value, "significant": value is not None and value >= ACCURACY_DB}
 
 
-def digest(names: list[str], estimate: HeadroomEstimate, run_max_val: dict[str, float],
+def digest(names: list[str], operands: list[str], estimate: HeadroomEstimate, run_max_val: dict[str, float],
            block_pattern: str = DEFAULT_BLOCK_PATTERN) -> dict:
     """What a run's summary keeps of one estimate of ``names``' tensors: the grid, the suggested ``max_val``
     (global; per operand where it pays, :data:`PAYS_DB`), the mean estimated SQNR and the possibly-clipped elements
-    per operand and per block at each ``max_val``, and every tensor's own figures. ``run_max_val``: operand -> the
+    per operand and per block at each ``max_val``, and every tensor's own figures. ``operands``: each tensor's
+    role (:class:`~.operand.Operand`). ``run_max_val``: operand -> the
     run's ``max_val`` (in the grid), whose possibly-clipped count is the most a suggestion may have ("no more
     clipping than the run had")."""
-    columns = [estimate.max_vals.index(float(run_max_val[operand_of(n)])) for n in names]
+    columns = [estimate.max_vals.index(float(run_max_val[operand])) for operand in operands]
     rows = list(range(len(names)))
 
     def at_run(subset, table) -> torch.Tensor:
@@ -268,8 +264,8 @@ def digest(names: list[str], estimate: HeadroomEstimate, run_max_val: dict[str, 
 
     overall = suggestion(rows)
     by_operand, suggested = {}, {"all": overall["max_val"]}
-    for operand in dict.fromkeys(operand_of(n) for n in names):
-        subset = [i for i, n in enumerate(names) if operand_of(n) == operand]
+    for operand in dict.fromkeys(operands):
+        subset = [i for i, own in enumerate(operands) if own == operand]
         own = suggestion(subset)
         by_operand[operand] = {"run_max_val": float(run_max_val[operand]), "sqnr_db": _jsonable(own["sqnr_db"]),
                                "clipped_high": own["clipped_high"], "suggested": own["max_val"],

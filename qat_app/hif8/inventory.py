@@ -23,7 +23,8 @@ from torch import nn
 from .experts import HiF8Experts, is_fused_experts
 from .linear import HiF8Linear
 from .patch import _is_linear, block_index, count_blocks, quantized_block_range, quantized_linears
-from .quantized import FALLBACK_HIGH_PRECISION, OPERANDS
+from .operand import Operand
+from .quantized import FALLBACK_HIGH_PRECISION
 from .recipe import LayerSelection
 
 INVENTORY_FILE = "quantized_modules.json"
@@ -60,11 +61,11 @@ def _kind(name: str, block_regex: re.Pattern, expert: bool) -> str:
 def operands_quantized(layer, switched_on: Mapping[str, bool] | None = None) -> dict[str, bool]:
     """Which operands of a quantized matmul are fake-quantized: its switches now, or ``switched_on`` (what a BF16
     warmup turns on at its end) where given; the output gradient only when the layer has a gradient scaler."""
-    now = {"input": layer.quantize_activations, "weight": layer.quantize_weights, "grad": layer.quantize_grads}
+    now = {operand.value: getattr(layer, operand.switch_name) for operand in Operand}
     now.update(switched_on or {})
-    now["grad"] = bool(now["grad"]) and layer.grad_scaler is not None
+    now[Operand.GRAD.value] = bool(now[Operand.GRAD]) and layer.grad_scaler is not None
     fell_back = {op for op, record in layer.fallback.items() if record["target"] == FALLBACK_HIGH_PRECISION}
-    return {operand: bool(now[operand]) and operand not in fell_back for operand in OPERANDS}
+    return {operand.value: bool(now[operand]) and operand not in fell_back for operand in Operand}
 
 
 def _module_entry(name, layer, block, kind, shape, switched_on) -> dict:
@@ -194,7 +195,7 @@ def _numerics(modules: list[dict]) -> str:
     described = Counter()
     for m in modules:
         estimator = m["amax_algo"] + (f" alpha={m['alpha']:g}" if m["alpha"] is not None else "")
-        operands = "+".join(op for op in OPERANDS if m["quantized"][op]) or "nothing"
+        operands = "+".join(op for op in Operand if m["quantized"][op]) or "nothing"
         described[f"{m['format']}, {estimator} H={m['history_len']}, max_val {m['max_val']:g}, quantized {operands}"] += 1
     return "; ".join(text if len(described) == 1 else f"{text} ({n})" for text, n in described.items())
 

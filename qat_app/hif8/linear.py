@@ -1,6 +1,6 @@
 """HiF8Linear: a drop-in nn.Linear with W8A8 fake quantization and straight-through gradients.
 
-The quantization itself (scalers, weight codes cache, plan, autograd function, the exported-weight hook) is
+The quantization itself (scalers, weight codes cache, plan, autograd function, the stored-weight source) is
 :class:`~qat_app.hif8.quantized.QuantizedMatmul`'s, shared with the MoE experts' projections; this module
 adds what is particular to a dense layer: it is an ``nn.Linear`` (or wraps transformers' ``Conv1D``), and
 :meth:`HiF8Linear.to_float` gives back the module it was made from.
@@ -84,11 +84,6 @@ class HiF8Linear(QuantizedMatmul, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.quantization_repr()}"
-
-    @property
-    def uses_exported_weight(self) -> bool:
-        """The weight is the one the 8-bit export's reader marked (:meth:`mark_exported`), unchanged since."""
-        return self.is_exported(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quantized_matmul(x, self.weight, self.bias)

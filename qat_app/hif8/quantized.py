@@ -3,10 +3,12 @@
 ``x @ W.T (+ b)`` with the input and the weight each fake-quantized by its own per-tensor scaler; the backward is
 the straight-through estimator (``ste="identity"``, the paper's, or ``"clipped"``: no gradient where an element
 saturated). :class:`QuantizedMatmul`, the base of :class:`~qat_app.hif8.linear.HiF8Linear` and
-:class:`~qat_app.hif8.experts.QuantizedProjection`, owns the scalers (:data:`SCALER_NAMES`, the checkpoint's
-keys), the switches (extra state: a checkpoint restores the warmup phase), the weight operand (quantized once per
-optimizer step) and the :class:`Plan` handed to :class:`QuantizedMatmulFunction`. Contract: amax is observed only
-in training mode, quantized or not, so evaluation never moves a history; saved 8-bit inputs decode exactly.
+:class:`~qat_app.hif8.experts.QuantizedProjection`, owns a scaler and a switch per :class:`~.operand.Operand`
+(the switches in the extra state: a checkpoint restores the warmup phase), the weight operand (quantized once per
+optimizer step: :class:`WeightQuantization`) and the :class:`Plan` handed to :class:`QuantizedMatmulFunction`
+with the input and the weight. Contract: amax is observed only in training mode, quantized or not, so evaluation
+never moves a history; saved 8-bit inputs decode exactly. A source of stored weights (the 8-bit export's reader) is
+plugged in as :attr:`QuantizedMatmul.weight_source`; the core knows only its one method.
 
 See ``docs/gemm.md`` for the product and its backward.
 """
@@ -14,7 +16,7 @@ See ``docs/gemm.md`` for the product and its backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -22,17 +24,12 @@ from torch import nn
 from .fake_quant import dequantize_codes, saturated_mask
 from .formats import Float8Format, get_format
 from .fp8_gemm import e4m3_parts_of_codes
-from .gemm import (GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, Operand, column_sums, decode_factors, resolve_gemm,
-                   scaled_linear, scaled_mm)
+from .gemm import (GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, GemmOperand, column_sums, decode_factors,
+                   resolve_gemm, scaled_linear, scaled_mm)
+from .operand import SCALER_NAMES, Operand, OperandPlan
 from .profiling import GEMM, QUANTIZE, profiled
 from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
-
-# the scalers of a quantized matmul, in registration (and state-dict) order; grad_scaler only with quantize_grads
-SCALER_NAMES = ("input_scaler", "weight_scaler", "grad_scaler")
-# the operands they quantize (the names the logs, the summary and the fallback use), in the same order
-OPERANDS = ("input", "weight", "grad")
-SCALER_OF = dict(zip(OPERANDS, SCALER_NAMES))
 # what an operand may fall back to (:mod:`.fallback`): its scaler switches to current scaling, or it is no longer
 # quantized
 FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
@@ -42,20 +39,45 @@ FALLBACK_TARGETS = (FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION)
 class QuantizedInput(NamedTuple):
     """The input as a quantized matmul's forward takes it (:meth:`Plan.quantize_input`)."""
 
-    operand: Operand  # what the GEMM multiplies
+    operand: GemmOperand  # what the GEMM multiplies
     saved: torch.Tensor  # what backward keeps: 8-bit codes, or a tensor
     scale: torch.Tensor | None  # the codes' scale; None: ``saved`` is used as it is
     mask: torch.Tensor | None  # ste="clipped": where the gradient passes
 
 
-class WeightOperand(NamedTuple):
-    """The weight as a quantized matmul's forward and backward take it (:meth:`QuantizedMatmul.quantized_weight`)."""
+class WeightQuantization(NamedTuple):
+    """The weight as a quantized matmul's forward and backward take it (:meth:`QuantizedMatmul.quantized_weight`),
+    and what its scaler observes of it."""
 
     saved: torch.Tensor  # uint8 codes, the 16-bit grid values, or the weight itself (not quantized)
     scale: torch.Tensor | None  # None: ``saved`` is used as it is
-    mask: torch.Tensor | None  # ste="clipped": where the gradient passes
-    values: torch.Tensor | None  # on the call that quantized it: what the quantization wrote (no decode needed)
+    mask: torch.Tensor | None = None  # ste="clipped": where the gradient passes
+    values: torch.Tensor | None = None  # on the call that quantized it: what the quantization wrote (no decode)
     fp8: tuple | None = None  # gemm fp8: (tail, E4M3 parts) of the grid values, made once per optimizer step
+    amax: torch.Tensor | None = None  # observed: the weight's amax (None: a stored weight, nothing to observe)
+    clipped: torch.Tensor | None = None  # observed: its clipped elements (None: not quantized)
+    whatif: torch.Tensor | None = None  # observed: the other estimators' clipping
+    health: torch.Tensor | None = None  # observed: its health vector (a logging step)
+
+
+class WeightCacheKey(NamedTuple):
+    """What a cached :class:`WeightQuantization` depends on: a new one is made when any of it changes."""
+
+    version: int  # the parameter's in-place version
+    data_ptr: int  # the parameter's storage
+    scale_version: int  # the weight scaler's (bumped whenever its scale may change)
+    dtype: torch.dtype
+    quantized: bool  # the weight's switch
+    ste: str
+    health: bool  # measured (a cache made without health is remade)
+    fp8_tail: str | None
+
+
+class WeightSource(Protocol):
+    """Stored weights a matmul runs on in evaluation (the 8-bit export's reader: :mod:`qat_app.export.exported`)."""
+
+    def weight_operand(self, weight: torch.Tensor, dtype: torch.dtype) -> WeightQuantization | None:
+        """The stored operand for ``weight`` (None: ``weight`` is not the one stored, or changed since)."""
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -80,14 +102,15 @@ class _Switch:
     """An operand's quantization switch (set by the BF16 warmup, ``set_quantization``, the extra state); an operand
     that fell back to high precision reads as off whatever it is set to."""
 
-    def __init__(self, operand: str) -> None:
+    def __init__(self, operand: Operand) -> None:
         self.operand = operand
+        self.attribute = f"_{operand.value}_on"
 
     def __get__(self, module, owner=None):
-        return self if module is None else module._switch(self.operand)
+        return self if module is None else module.switched_on(self.operand)
 
     def __set__(self, module, on: bool) -> None:
-        module._switches[self.operand] = bool(on)
+        module.__dict__[self.attribute] = bool(on)
 
 
 class QuantizedMatmul(nn.Module):
@@ -97,8 +120,7 @@ class QuantizedMatmul(nn.Module):
     forward; it defines no ``__init__`` here, so it combines with ``nn.Linear`` (``HiF8Linear``).
     """
 
-    _exported_key: tuple | None = None  # set by mark_exported (the 8-bit export's reader)
-    _exported_codes: tuple | None = None  # (uint8 codes, scale) of the exported weight, when the reader gave them
+    weight_source: WeightSource | None = None  # stored weights for evaluation (the 8-bit export's reader)
     measure_health = False  # host-side switch (set_health_measurement): training forwards measure numeric health
 
     def init_quantization(self, recipe: HiF8Recipe | None, runtime: RuntimeOptions | None, device) -> None:
@@ -106,40 +128,50 @@ class QuantizedMatmul(nn.Module):
         self.recipe = recipe = recipe if recipe is not None else HiF8Recipe()
         self.runtime = runtime = runtime if runtime is not None else RuntimeOptions()
         self.format = get_format(recipe.format)
-        max_vals = (recipe.resolved_max_val, recipe.resolved_max_val, recipe.grad_max_val if recipe.quantize_grads else None)
-        for name, max_val in zip(SCALER_NAMES, max_vals):
-            setattr(self, name, None if max_val is None else AmaxScaler(
+        max_vals = {Operand.INPUT: recipe.resolved_max_val, Operand.WEIGHT: recipe.resolved_max_val,
+                    Operand.GRAD: recipe.grad_max_val if recipe.quantize_grads else None}
+        for operand, max_val in max_vals.items():
+            setattr(self, operand.scaler_name, None if max_val is None else AmaxScaler(
                 recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device,
-                power_2=recipe.power_2_scales))
+                power_2=recipe.power_2_scales, operand=operand.value))
         # operand -> its fallback decision (target, step, reason, evidence); set by fall_back, in the extra state
         self.fallback: dict[str, dict] = {}
-        self._switches = {"input": runtime.quantize_activations, "weight": runtime.quantize_weights,
-                          "grad": recipe.quantize_grads}
-        self._weight_cache = None
+        self.quantize_activations = runtime.quantize_activations
+        self.quantize_weights = runtime.quantize_weights
+        self.quantize_grads = recipe.quantize_grads
+        self._weight_cache: tuple[WeightCacheKey, WeightQuantization] | None = None
+        self._gemm: tuple[torch.device, str] | None = None  # (device, the GEMM resolved for it): gemm_for
 
-    def _switch(self, operand: str) -> bool:
-        return self._switches[operand] and self.fallback.get(operand, {}).get("target") != FALLBACK_HIGH_PRECISION
+    quantize_activations = _Switch(Operand.INPUT)
+    quantize_weights = _Switch(Operand.WEIGHT)
+    quantize_grads = _Switch(Operand.GRAD)
 
-    quantize_activations = _Switch("input")
-    quantize_weights = _Switch("weight")
-    quantize_grads = _Switch("grad")
+    def switched_on(self, operand: Operand) -> bool:
+        """``operand`` is quantized: its switch is on and it did not fall back to high precision."""
+        return (self.__dict__.get(f"_{operand.value}_on", False)
+                and self.fallback.get(operand, {}).get("target") != FALLBACK_HIGH_PRECISION)
 
-    def scaler_of(self, operand: str) -> AmaxScaler | None:
-        return getattr(self, SCALER_OF[operand], None)
+    def scaler_of(self, operand: Operand | str) -> AmaxScaler | None:
+        return getattr(self, Operand(operand).scaler_name, None)
 
-    def fall_back(self, operand: str, target: str, **record) -> None:
+    def operand_plan(self, operand: Operand) -> OperandPlan:
+        """What this forward does with ``operand``: its scaler, switch and ``max_val``."""
+        scaler = self.scaler_of(operand)
+        return OperandPlan(scaler, self.switched_on(operand), None if scaler is None else scaler.max_val)
+
+    def fall_back(self, operand: Operand | str, target: str, **record) -> None:
         """Switch ``operand`` for the rest of the run to ``target`` (:data:`FALLBACK_TARGETS`): ``current`` scaling
         (its scaler becomes a CTS scaler: never clips) or ``high_precision`` (no longer quantized). ``record``
         (step, reason, evidence) is kept with it, in the extra state, so a checkpoint or an export carries it."""
         if target not in FALLBACK_TARGETS:
             raise ValueError(f"fallback target: unknown {target!r}; allowed: {', '.join(FALLBACK_TARGETS)}")
+        operand = Operand(operand)
         scaler = self.scaler_of(operand)
         if scaler is None:
-            raise ValueError(f"{operand}: this matmul has no {SCALER_OF[operand]} to fall back")
-        self.fallback[operand] = {"target": target, **record}
+            raise ValueError(f"{operand}: this matmul has no {operand.scaler_name} to fall back")
+        self.fallback[operand.value] = {"target": target, **record}
         if target == FALLBACK_CURRENT:
-            scaler.algo = "current"  # its bank regroups at the next step boundary (banks are keyed by algo)
-            scaler.version += 1  # a cached weight quantized with the delayed scale is stale
+            scaler.use_current_scaling()
         self._weight_cache = None
 
     def named_scalers(self) -> list[tuple[str, AmaxScaler]]:
@@ -152,9 +184,9 @@ class QuantizedMatmul(nn.Module):
     # The fallback decisions too (a checkpoint before them has none).
     def get_extra_state(self) -> dict:
         return {
-            "quantize_weights": self._switches["weight"],
-            "quantize_activations": self._switches["input"],
-            "quantize_grads": self._switches["grad"],
+            "quantize_weights": self.__dict__["_weight_on"],
+            "quantize_activations": self.__dict__["_input_on"],
+            "quantize_grads": self.__dict__["_grad_on"],
             "fallback": {operand: dict(record) for operand, record in self.fallback.items()},
         }
 
@@ -171,89 +203,83 @@ class QuantizedMatmul(nn.Module):
         return (f"format={self.recipe.format}, amax_algo={self.recipe.amax_algo}, "
                 f"w={self.quantize_weights}, a={self.quantize_activations}, ste={self.recipe.ste}")
 
-    # ------------------------------------------------------------------------ the exported-weight hook
-    @staticmethod
-    def weight_key(weight: torch.Tensor) -> tuple:
-        """(parameter identity, its in-place version, the slice): survives ``.to(device/dtype)``, changes with
-        any in-place update of the parameter or a new parameter. A slice (one expert's weight) is keyed by
-        the parameter it views."""
-        base = weight._base if weight._base is not None else weight
-        return id(base), base._version, weight.storage_offset(), tuple(weight.shape)
-
-    def mark_exported(self, weight: torch.Tensor | None = None, codes: torch.Tensor | None = None,
-                      scale: torch.Tensor | None = None) -> None:
-        """The export hook: ``weight`` (the tensor this matmul's forward passes; default: the module's own
-        ``weight``) already holds ``decode(codes) / scale``. In eval mode, while it is unchanged, the forward uses
-        the stored ``codes`` and ``scale`` when given (the GEMM then runs over the grid values as in training),
-        else the weight as it is; in training mode, or once it changed, it is quantized as usual."""
-        self._exported_key = self.weight_key(self.weight if weight is None else weight)
-        self._exported_codes = None if codes is None else (codes, scale.reshape(()).float())
-
-    def is_exported(self, weight: torch.Tensor) -> bool:
-        """``weight`` is the one :meth:`mark_exported` marked, unchanged since."""
-        return self._exported_key is not None and self._exported_key == self.weight_key(weight)
-
-    # ------------------------------------------------------------------------------- the forward
+    # ------------------------------------------------------------------------------- the weight
     def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool = False,
-                         fp8_tail: str | None = None) -> "WeightOperand":
-        """-> :class:`WeightOperand`: the weight operand of the forward and backward (``saved`` is decoded when a scale is given, used as it is
-        when not); ``values``: on the call that quantized it, what the quantization wrote (the grid values with
-        ``grid``, else the dequantized weight), so that this forward needs no decode of the codes.
+                         fp8_tail: str | None = None) -> WeightQuantization:
+        """The weight operand of the forward and backward (:class:`WeightQuantization`; ``saved`` is decoded when a
+        scale is given, used as it is when not; ``values``: on the call that quantized it, what the quantization
+        wrote, so that this forward needs no decode), observed once per optimizer step in training mode.
 
         Quantized once per optimizer step and cached until the parameter changes (``_version``) or the scale does:
         with ``grid`` (the emulated and FP8 GEMMs), the grid values themselves in 16 bits (:func:`grid_dtype`:
         exact, 2 bytes per parameter; the GEMM takes them as they are, or widens them exactly), so that neither an
         encode nor a decode pass is paid for the weight; else (``dequantize_first``) the uint8 codes, decoded with
         the scale by forward and backward. ``fp8_tail`` (the FP8 GEMM): the E4M3 parts of the grid values too, made
-        with the cache (once per optimizer step, not once per micro-batch).
+        with the cache (once per optimizer step, not once per micro-batch). In evaluation, a :attr:`weight_source`
+        that holds ``weight`` gives the stored operand instead.
         """
-        if self._exported_key is not None and self.quantize_weights and not self.training and self.is_exported(weight):
-            if self._exported_codes is not None:  # the exported codes and scale: what training computed
-                codes, scale = self._exported_codes
-                return WeightOperand(codes.to(weight.device), scale.to(weight.device), None, None)
-            return WeightOperand(weight.detach().to(dtype), None, None, None)  # already decode(codes)/scale: as it is
-        scaler = self.weight_scaler
-        health = self.measure_health and self.training  # in the key: a cache made without health is remade
-        key = (weight._version, weight.data_ptr(), scaler.version, dtype, self.quantize_weights, self.recipe.ste,
-               health, fp8_tail)
-        values = None
-        if self._weight_cache is None or self._weight_cache[0] != key:
+        if self.weight_source is not None and self.quantize_weights and not self.training:
+            stored = self.weight_source.weight_operand(weight, dtype)
+            if stored is not None:
+                return stored
+        health = self.measure_health and self.training
+        key = self._weight_cache_key(weight, dtype, health, fp8_tail)
+        if self._weight_cache is not None and self._weight_cache[0] == key:
+            quantization = self._weight_cache[1]
+        else:
             self._weight_cache = None  # free the old codes before making new ones
-            w = weight.detach().to(dtype)
-            if self.quantize_weights:
-                fused = self.runtime.fused
-                result, scale = scaler.quantize(w, self.format, want_codes=not grid or bool(fp8_tail), fused=fused,
-                                                grid=grid, whatif=True)
-                mask = passes_gradient(self.recipe.ste == "clipped", w, scale, scaler, self.format)
-                measured = scaler.measure(w, result, scale, self.format, fused=fused, health=health)
-                values = result.grid if grid else result.dequantized
-                saved = values.to(grid_dtype(dtype)) if grid else result.codes
-                fp8 = None
-                if grid and fp8_tail:  # from the codes the quantization wrote: a byte read, a byte written
-                    fp8 = (fp8_tail, e4m3_parts_of_codes(result.codes, self.format.name, scaler.max_val, fp8_tail))
-                entry = (saved, scale.clone(), mask, (result.amax, result.clipped, *measured), fp8)
-            else:
-                entry = (w, None, None, (w.abs().amax(), None), None)
-            self._weight_cache = (key, *entry)
-            scaler.observed_this_step = False
-        _, saved, scale, mask, stats, fp8 = self._weight_cache
-        if self.training and not scaler.observed_this_step:
-            scaler.observe(*stats[:2], weight.numel(), *stats[2:])
-        return WeightOperand(saved, scale, mask, values, fp8)
+            quantization = self._quantize_weight(weight.detach().to(dtype), grid, fp8_tail, health)
+            self._weight_cache = (key, quantization._replace(values=None))
+            self.weight_scaler.observed_this_step = False
+        if self.training and not self.weight_scaler.observed_this_step:
+            self._observe_weight(quantization, weight.numel())
+        return quantization
+
+    def _weight_cache_key(self, weight: torch.Tensor, dtype: torch.dtype, health: bool,
+                          fp8_tail: str | None) -> "WeightCacheKey":
+        return WeightCacheKey(weight._version, weight.data_ptr(), self.weight_scaler.version, dtype,
+                              self.quantize_weights, self.recipe.ste, health, fp8_tail)
+
+    def _quantize_weight(self, w: torch.Tensor, grid: bool, fp8_tail: str | None, health: bool) -> WeightQuantization:
+        """``w`` (detached, in the compute dtype) quantized with the weight scaler and measured."""
+        if not self.quantize_weights:
+            return WeightQuantization(w, None, amax=w.abs().amax())
+        scaler, fused = self.weight_scaler, self.runtime.fused
+        result, scale = scaler.quantize(w, self.format, want_codes=not grid or bool(fp8_tail), fused=fused, grid=grid,
+                                        whatif=True)
+        mask = passes_gradient(self.recipe.ste == "clipped", w, scale, scaler, self.format)
+        whatif, measured_health = scaler.measure(w, result, scale, self.format, fused=fused, health=health)
+        values = result.grid if grid else result.dequantized
+        fp8 = None
+        if grid and fp8_tail:  # from the codes the quantization wrote: a byte read, a byte written
+            fp8 = (fp8_tail, e4m3_parts_of_codes(result.codes, self.format.name, scaler.max_val, fp8_tail))
+        return WeightQuantization(values.to(grid_dtype(w.dtype)) if grid else result.codes, scale.clone(), mask,
+                                  values, fp8, result.amax, result.clipped, whatif, measured_health)
+
+    def _observe_weight(self, quantization: WeightQuantization, numel: int) -> None:
+        self.weight_scaler.observe(quantization.amax, quantization.clipped, numel, quantization.whatif,
+                                   quantization.health)
 
     def release_weight_cache(self) -> None:
         """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
         self._weight_cache = None
 
+    # ------------------------------------------------------------------------------- the forward
+    def gemm_for(self, device: torch.device) -> str:
+        """The GEMM this matmul runs on ``device`` (``gemm: auto`` resolved once per device: at setup by
+        :func:`~qat_app.hif8.training.resolve_gemms`, else at the first forward there)."""
+        if self._gemm is None or self._gemm[0] != device:
+            self._gemm = (device, resolve_gemm(self.runtime.gemm, device))
+        return self._gemm[1]
+
     def plan(self, dtype: torch.dtype, device: torch.device) -> "Plan":
-        """This forward's scalers and switches, for the autograd function."""
+        """This forward's operands and settings, for the autograd function."""
         return Plan(
-            input_scaler=self.input_scaler, activations_on=self.quantize_activations, record=self.training,
-            grad_scaler=self.grad_scaler, grads_on=self.quantize_grads, fmt=self.format,
-            fused=self.runtime.fused, ste_clipped=self.recipe.ste == "clipped",
-            save_codes=self.runtime.save_8bit_activations, stochastic_grads=self.recipe.grad_stochastic_rounding,
-            dtype=dtype, health=self.measure_health and self.training, gemm=resolve_gemm(self.runtime.gemm, device),
-            fp8_tail=self.runtime.fp8_tail, weight_max_val=self.weight_scaler.max_val,
+            input=self.operand_plan(Operand.INPUT), weight=self.operand_plan(Operand.WEIGHT),
+            grad=self.operand_plan(Operand.GRAD), record=self.training, fmt=self.format, fused=self.runtime.fused,
+            ste_clipped=self.recipe.ste == "clipped", save_codes=self.runtime.save_8bit_activations,
+            stochastic_grads=self.recipe.grad_stochastic_rounding, dtype=dtype,
+            health=self.measure_health and self.training, gemm=self.gemm_for(device), fp8_tail=self.runtime.fp8_tail,
         )
 
     def quantized_matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,19 +288,18 @@ class QuantizedMatmul(nn.Module):
         plan = self.plan(dtype, x.device)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             w = self.quantized_weight(weight, dtype, grid=plan.on_grid, fp8_tail=plan.tail)
-        return QuantizedMatmulFunction.apply(x, weight, bias, w.saved, w.scale, w.mask, w.values, w.fp8, plan)
+        return QuantizedMatmulFunction.apply(x, weight, bias, w, plan)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one forward of a quantized matmul does: its scalers and switches at call time (the autograd
+    """What one forward of a quantized matmul does: a plan per operand and the settings at call time (the autograd
     function gets this, not the module)."""
 
-    input_scaler: AmaxScaler
-    activations_on: bool
+    input: OperandPlan
+    weight: OperandPlan
+    grad: OperandPlan  # scaler None: the output gradient is not observed (no quantize_grads)
     record: bool  # training mode: observers record
-    grad_scaler: AmaxScaler | None
-    grads_on: bool
     fmt: Float8Format
     fused: str
     ste_clipped: bool
@@ -285,7 +310,6 @@ class Plan:
 
     gemm: str = GEMM_EMULATED  # how the products are computed (:mod:`.gemm`), resolved for the device
     fp8_tail: str = "drop"  # gemm fp8: the values E4M3 cannot hold (:mod:`.fp8_gemm`)
-    weight_max_val: float = 15.0
 
     @property
     def on_grid(self) -> bool:
@@ -298,66 +322,66 @@ class Plan:
         return self.fp8_tail if self.gemm == GEMM_FP8 else None
 
     def operand(self, saved: torch.Tensor, scale: torch.Tensor | None, max_val: float,
-                values: torch.Tensor | None = None, fp8: tuple | None = None) -> Operand:
+                values: torch.Tensor | None = None, fp8: tuple | None = None) -> GemmOperand:
         """A saved operand (uint8 codes + scale, or a tensor) as the GEMM takes it: the grid values with their
         scale (the codes decoded through the backend: exact; the codes kept for the FP8 GEMM), or dequantized
         (``dequantize_first``). ``values``: those values when the quantization just wrote them (nothing to decode);
         ``fp8``: their E4M3 parts, made already."""
         if scale is None:  # not quantized: the tensor itself
-            return Operand(saved)
+            return GemmOperand(saved)
         if self.on_grid:
             codes = None if saved.is_floating_point() else saved
             if values is None:  # kept as grid values (a weight), or as codes (a saved input)
                 with profiled(QUANTIZE):
                     values = saved if codes is None else dequantize_codes(saved, None, self.fmt, self.dtype,
                                                                           fused=self.fused)
-            return Operand(values, scale, max_val, codes=codes if self.tail else None, fmt_name=self.fmt.name, fp8=fp8)
+            return GemmOperand(values, scale, max_val, codes=codes if self.tail else None, fmt_name=self.fmt.name, fp8=fp8)
         if values is not None:
-            return Operand(values)
+            return GemmOperand(values)
         with profiled(QUANTIZE):
-            return Operand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
+            return GemmOperand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
 
     def quantize_input(self, x: torch.Tensor) -> QuantizedInput:
         """``x`` as the GEMM takes it and as backward keeps it (:class:`QuantizedInput`)."""
-        scaler = self.input_scaler
-        if not self.activations_on:
+        scaler = self.input.scaler
+        if not self.input.on:
             if self.record:
                 scaler.observe(x.abs().amax(), None, x.numel())
-            return QuantizedInput(Operand(x), x, None, None)
+            return QuantizedInput(GemmOperand(x), x, None, None)
         result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes or self.on_grid, fused=self.fused,
                                         grid=self.on_grid, whatif=self.record)
         if self.record:
             measured = scaler.measure(x, result, scale, self.fmt, fused=self.fused, health=self.health)
             scaler.observe(result.amax, result.clipped, x.numel(), *measured)
         mask = passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
-        operand = (Operand(result.grid, scale, scaler.max_val, codes=result.codes if self.tail else None,
-                           fmt_name=self.fmt.name) if self.on_grid else Operand(result.dequantized))
+        operand = (GemmOperand(result.grid, scale, scaler.max_val, codes=result.codes if self.tail else None,
+                           fmt_name=self.fmt.name) if self.on_grid else GemmOperand(result.dequantized))
         if result.codes is not None:  # kept for backward as 8-bit codes + scale
             return QuantizedInput(operand, result.codes, scale, mask)
         return QuantizedInput(operand, operand.values, None, mask)  # dequantize_first without save_8bit_activations
 
-    def quantize_grad_output(self, g: torch.Tensor) -> Operand:
-        scaler = self.grad_scaler
+    def quantize_grad_output(self, g: torch.Tensor) -> GemmOperand:
+        scaler = self.grad.scaler
         if scaler is None:
-            return Operand(g)
-        if not self.grads_on:
+            return GemmOperand(g)
+        if not self.grad.on:
             scaler.observe(g.abs().amax(), None, g.numel())
-            return Operand(g)
+            return GemmOperand(g)
         noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32) if self.stochastic_grads else None
         result, scale = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused, grid=self.on_grid, whatif=True)
         measured = scaler.measure(g, result, scale, self.fmt, fused=self.fused, health=self.health, noise=noise)
         scaler.observe(result.amax, result.clipped, g.numel(), *measured)
-        return Operand(result.grid, scale, scaler.max_val) if self.on_grid else Operand(result.dequantized)
+        return GemmOperand(result.grid, scale, scaler.max_val) if self.on_grid else GemmOperand(result.dequantized)
 
 
 class QuantizedMatmulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_saved, w_scale, w_mask, w_values, w_fp8, plan: Plan):
+    def forward(ctx, x, weight, bias, w: WeightQuantization, plan: Plan):
         dtype = plan.dtype
         with torch.autocast(x.device.type, enabled=False):
             x_op, x_saved, x_saved_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
-            w_op = plan.operand(w_saved, w_scale, plan.weight_max_val, w_values, fp8=w_fp8)
+            w_op = plan.operand(w.saved, w.scale, plan.weight.max_val, w.values, fp8=w.fp8)
             # the three GEMMs' decode factors at once, when the output gradient is not quantized (else backward's)
             factors = (decode_factors(x_op.scale, w_op.scale) if plan.on_grid and x_op.quantized and w_op.quantized
                        else None)
@@ -372,7 +396,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.has_bias = bias is not None
         # backward needs the quantized input and weight: kept as 8-bit codes + scale where possible
-        ctx.save_for_backward(x_saved, x_saved_scale, w_saved, w_scale, x_mask, w_mask, factors)
+        ctx.save_for_backward(x_saved, x_saved_scale, w.saved, w.scale, x_mask, w.mask, factors)
         return out
 
     @staticmethod
@@ -386,7 +410,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         g2 = g.flat()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # dgrad: g @ W, with W's decode scale
-            w_op = plan.operand(w_saved, w_scale, plan.weight_max_val)
+            w_op = plan.operand(w_saved, w_scale, plan.weight.max_val)
             with profiled(GEMM):
                 grad_x = scaled_mm(g2, w_op, plan.dtype, fp8_tail=plan.tail,
                                    decode=None if factors is None else factors[2]).reshape(*g.values.shape[:-1], -1)
@@ -394,7 +418,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
                 grad_x = grad_x * x_mask
             grad_x = grad_x.to(x_dtype)
         if ctx.needs_input_grad[1]:  # wgrad: g.T @ x, with x's decode scale
-            x_op = plan.operand(x_saved, x_scale, plan.input_scaler.max_val)
+            x_op = plan.operand(x_saved, x_scale, plan.input.max_val)
             with profiled(GEMM):
                 grad_w = scaled_mm(g2.t(), x_op.flat(), plan.dtype, fp8_tail=plan.tail,
                                    decode=None if factors is None else factors[1])
@@ -403,7 +427,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
             grad_w = grad_w.to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = column_sums(g2).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def set_health_measurement(model: nn.Module, on: bool) -> None:

@@ -38,6 +38,7 @@ class AmaxScaler(nn.Module):
         margin: float = 0.0,
         device: torch.device | str | None = None,
         power_2: bool = False,
+        operand: str | None = None,
     ) -> None:
         super().__init__()
         if algo not in AMAX_ALGOS:
@@ -48,6 +49,7 @@ class AmaxScaler(nn.Module):
         self.max_val = max_val
         self.margin = margin
         self.power_2 = power_2  # scales rounded down to a power of two (HiF8Recipe.power_2_scales)
+        self.operand = operand  # the role of the tensor it scales (:class:`~.operand.Operand`'s value), if any
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         self.register_buffer("amax_history", torch.zeros(history_len, **f32))  # [0] = most recent step
@@ -92,6 +94,12 @@ class AmaxScaler(nn.Module):
     def extra_repr(self) -> str:
         return (f"algo={self.algo}, history_len={self.history_len}, max_val={self.max_val}, margin={self.margin}"
                 + (", power_2" if self.power_2 else ""))
+
+    def use_current_scaling(self) -> None:
+        """From now on, current scaling (a fallback's remedy): its bank regroups at the next step boundary (banks
+        are keyed by algorithm), and a weight cached with the delayed scale is stale."""
+        self.algo = "current"
+        self.version += 1
 
     @property
     def uses_current_scaling(self) -> bool:

@@ -48,6 +48,13 @@ def release_weight_caches(model: nn.Module) -> None:
         module.release_weight_cache()
 
 
+def resolve_gemms(model: nn.Module, device: torch.device) -> None:
+    """Resolve every quantized matmul's GEMM (``gemm: auto`` times the two on a GPU and, under data parallelism,
+    broadcasts rank 0's choice: every rank calls this at setup, not inside a forward)."""
+    for _, module in quantized_linears(model):
+        module.gemm_for(torch.device(device))
+
+
 def start_warmup(model: nn.Module) -> None:
     """BF16 warmup: quantization off, observers still recording amax into the histories."""
     set_quantization(model, weights=False, activations=False, grads=False)

@@ -25,7 +25,7 @@ import re
 from ..hif8.fallback import pending_verification
 from ..hif8.fallback_summary import summary_lines as fallback_lines
 from ..hif8.health import TIERS, WHATIF_ALGOS
-from ..hif8.inventory import OPERANDS
+from ..hif8.operand import Operand
 from ..hif8.recipe import DEFAULT_BLOCK_PATTERN
 from .runs import METRICS_FILE, SUMMARY_FILE, Run, natural_key
 
@@ -202,10 +202,10 @@ def tensor_order(run: Run, names: list[str]) -> list[str]:
     """Tensors by decoder block, then module in the model's order (the summary's, else :data:`FORWARD_ORDER`, then
     by name), then operand (input, weight, grad); tensors outside the blocks last."""
     block_regex = _block_regex(run)
-    operand_rank = {operand: i for i, operand in enumerate(OPERANDS)}
+    operand_rank = {operand: i for i, operand in enumerate(Operand)}
 
-    def split(name: str) -> tuple[int | None, str, str]:
-        module, _, operand = name.rpartition(".")
+    def split(name: str) -> tuple[int | None, str, Operand | None]:
+        module, operand = Operand.of_tensor(name)
         return (*_block_and_kind(block_regex, module), operand)
 
     in_model_order = [split(name)[1] for name in (run.summary or {}).get("tensors") or {}]
@@ -217,7 +217,7 @@ def tensor_order(run: Run, names: list[str]) -> list[str]:
 
     def key(name: str):
         block, kind, operand = split(name)
-        return (block is None, block or 0, kinds.index(kind), operand_rank.get(operand, len(OPERANDS)), natural_key(name))
+        return (block is None, block or 0, kinds.index(kind), operand_rank.get(operand, len(operand_rank)), natural_key(name))
 
     return sorted(names, key=key)
 
