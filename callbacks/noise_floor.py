@@ -101,6 +101,10 @@ class NoiseFloorCallback(L.Callback):
         tasks = list(getattr(bench, "task_names", None) or [])
         if not tasks or not callable(getattr(bench, "loaders", None)):
             return None
+        if trainer.is_global_zero:  # the longest silent phase of a fit's end otherwise
+            log.info("noise floor: scoring %s again under %d input perturbations (seeds %s), to count the answers "
+                     "the arithmetic alone changes", ", ".join(tasks), len(self.seeds),
+                     ", ".join(map(str, self.seeds)))
         # every example on every rank (the same forwards everywhere; rank 0 writes the counts)
         return answer_flips(model, bench.loaders(), tasks, seeds=self.seeds, relative=self.relative)
 

@@ -9,23 +9,20 @@ builds it again from the same source and checks it against the checkpoint's :att
 from __future__ import annotations
 
 import copy
-import hashlib
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..eval.kl_cache import tensor_sha256
 from .config import INITIAL_TEACHER
 from .loss import distill_losses, final_hidden
 
 
 def fingerprint(model: nn.Module) -> str:
     """SHA-256 of every parameter and buffer, by name (the weights, not the object)."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    names, tensors = zip(*sorted(model.state_dict().items()))
+    return tensor_sha256(tensors, names)
 
 
 def check_same_tokenizer(name: str, teacher_tokenizer, student_tokenizer, teacher: nn.Module, student: nn.Module) -> None:

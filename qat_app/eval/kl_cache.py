@@ -122,9 +122,13 @@ def kept_positions(seq_len: int, available: int, max_tokens: int, world_size: in
 
 
 # ------------------------------------------------------------------------------------------ the files
-def _digest(*tensors: torch.Tensor) -> str:
+def tensor_sha256(tensors, names=None) -> str:
+    """SHA-256 of the tensors' bytes in order, each after its name where ``names`` are given (the same weights give
+    the same digest whatever object holds them): the cache's payload check and the distillation teacher's."""
     h = hashlib.sha256()
-    for t in tensors:
+    for i, t in enumerate(tensors):
+        if names is not None:
+            h.update(names[i].encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -143,7 +147,7 @@ def save_topk(path: str, header: dict, logprobs: torch.Tensor, tokens=None, indi
     """Write a top-k file atomically (a temporary file renamed over ``path``); -> the header written."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in
                (("logprobs", logprobs), ("tokens", tokens), ("indices", indices)) if v is not None}
-    header = {**header, "format": FORMAT, "payload_sha256": _digest(*tensors.values())}
+    header = {**header, "format": FORMAT, "payload_sha256": tensor_sha256(tensors.values())}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save({"header": header, **tensors}, tmp)
@@ -159,7 +163,7 @@ def load_topk(path: str) -> TopKFile:
         raw = torch.load(path, map_location="cpu", weights_only=True)
         header = dict(raw["header"])
         tensors = [raw[k] for k in ("logprobs", "tokens", "indices") if k in raw]
-        ok = header.get("format") == FORMAT and header.get("payload_sha256") == _digest(*tensors)
+        ok = header.get("format") == FORMAT and header.get("payload_sha256") == tensor_sha256(tensors)
     except Exception as err:  # truncated, not a torch file, not ours
         raise TopKCacheError(f"{path}: damaged ({type(err).__name__}: {err})") from None
     if not ok:
@@ -310,10 +314,10 @@ class InitialKL:
                  n * world, positions, n * world * positions, self.path)
 
     def _header(self, tokens, indices, n, positions, world, kind, step) -> dict:
-        data = _digest(tokens)
+        data = tensor_sha256([tokens])
         return {"kind": kind, "k": int(indices.shape[-1]), "sequences": int(n * world), "positions": int(positions),
                 "tokens": int(n * world * positions), "world_size": int(world), "model": self.model_name,
-                "data_fingerprint": data, "partition": _digest(indices) + data, "global_step": int(step),
+                "data_fingerprint": data, "partition": tensor_sha256([indices]) + data, "global_step": int(step),
                 "dtype": str(STORE_DTYPE).replace("torch.", "")}
 
     def resume(self, pl_module, blocks: torch.Tensor, expected_sha256: str | None = None) -> None:

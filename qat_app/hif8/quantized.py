@@ -30,6 +30,7 @@ from .operand import SCALER_NAMES, Operand, OperandPlan
 from .profiling import GEMM, QUANTIZE, profiled
 from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
+
 # what an operand may fall back to (:mod:`.fallback`): its scaler switches to current scaling, or it is no longer
 # quantized
 FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
