@@ -105,13 +105,17 @@ class _Switch:
 
     def __init__(self, operand: Operand) -> None:
         self.operand = operand
-        self.attribute = f"_{operand.value}_on"
+
+    @staticmethod
+    def attribute(operand: Operand) -> str:
+        """Where a module keeps the switch as set (before any fallback)."""
+        return f"_{operand.value}_on"
 
     def __get__(self, module, owner=None):
         return self if module is None else module.switched_on(self.operand)
 
     def __set__(self, module, on: bool) -> None:
-        module.__dict__[self.attribute] = bool(on)
+        module.__dict__[self.attribute(self.operand)] = bool(on)
 
 
 class QuantizedMatmul(nn.Module):
@@ -149,7 +153,7 @@ class QuantizedMatmul(nn.Module):
 
     def switched_on(self, operand: Operand) -> bool:
         """``operand`` is quantized: its switch is on and it did not fall back to high precision."""
-        return (self.__dict__.get(f"_{operand.value}_on", False)
+        return (self.__dict__.get(_Switch.attribute(operand), False)
                 and self.fallback.get(operand, {}).get("target") != FALLBACK_HIGH_PRECISION)
 
     def scaler_of(self, operand: Operand | str) -> AmaxScaler | None:
@@ -157,7 +161,7 @@ class QuantizedMatmul(nn.Module):
 
     def operand_plan(self, operand: Operand) -> OperandPlan:
         """What this forward does with ``operand``: its scaler, switch and ``max_val``."""
-        scaler = self.scaler_of(operand)
+        scaler = getattr(self, operand.scaler_name, None)
         return OperandPlan(scaler, self.switched_on(operand), None if scaler is None else scaler.max_val)
 
     def fall_back(self, operand: Operand | str, target: str, **record) -> None:
@@ -184,10 +188,9 @@ class QuantizedMatmul(nn.Module):
     # The switches are part of the state so a checkpoint restores the warmup phase with the weights.
     # The fallback decisions too (a checkpoint before them has none).
     def get_extra_state(self) -> dict:
-        return {
-            "quantize_weights": self.__dict__["_weight_on"],
-            "quantize_activations": self.__dict__["_input_on"],
-            "quantize_grads": self.__dict__["_grad_on"],
+        return {  # the switches as set: a fallback to high precision is restored from its own record
+            **{operand.switch_name: self.__dict__[_Switch.attribute(operand)]  # the order earlier exports hold
+               for operand in (Operand.WEIGHT, Operand.INPUT, Operand.GRAD)},
             "fallback": {operand: dict(record) for operand, record in self.fallback.items()},
         }
 
