@@ -27,6 +27,8 @@ import torch
 from qat_app.errors import ConfigError, did_you_mean
 
 from .per_step import PerOptimizerStep
+from .saturation import MAX_CLIPPED_FRAC, MIN_HEADROOM, saturation_metrics, step_stats_of
+from .step_stats import StepStats
 from .stopping import stop_with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,17 @@ class SpikeDetector:
             z, median, _ = robust_z(value, self.values)
         self.values.append(value)
         return z, median, history
+
+
+def clipping_of(stats: StepStats | None) -> dict | None:
+    """The step's clipping beside an event (:func:`~callbacks.saturation.saturation_metrics`): the fraction of all
+    quantized elements clipped, the worst tensor's fraction and the lowest headroom (None without quantized tensors
+    or a saturation callback)."""
+    if stats is None:
+        return None
+    metrics = saturation_metrics(stats)
+    return {"clipped_frac": metrics["sat/clipped_frac"], "max_clipped_frac": metrics.get(MAX_CLIPPED_FRAC, 0.0),
+            "min_headroom": metrics.get(MIN_HEADROOM)}  # None: no tensor quantized in the step
 
 
 def _json_number(value):
@@ -172,6 +185,12 @@ class SpikeAlarm(PerOptimizerStep):
             name = "train/loss" if event["kind"] == LOSS_SPIKE else "train/grad_norm"
             what = (f"{name} {event['value']:.6g} vs median {event['median']:.6g} of the last "
                     f"{event['history']} steps, robust z {event['z']:.1f} > {self.z_threshold:g}")
+        clipping = event.get("clipping")
+        if clipping is not None:
+            headroom = clipping["min_headroom"]
+            what += (f"; the step clipped {clipping['clipped_frac']:.3g} of its quantized elements (worst tensor "
+                     f"{clipping['max_clipped_frac']:.3g}" +
+                     (f", lowest headroom a_hat/amax {headroom:.3g})" if headroom is not None else ")"))
         return f"alarm: {event['kind']} at step {event['step']}: {what}; {CAUSES[event['kind']]}"
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -194,6 +213,10 @@ class SpikeAlarm(PerOptimizerStep):
             return
         loss, grad_norm, nonfinite = self._read_step(trainer, pl_module)
         new = self.observe(step, loss, grad_norm, nonfinite)
+        if new:  # the same on every rank (the loss is averaged over them): the step record is asked for alike
+            clipping = clipping_of(step_stats_of(trainer, pl_module, step))
+            for event in new:
+                event["clipping"] = clipping
         metrics = {**self.last_z, EVENTS: float(len(self.events)), NONFINITE: float(self.nonfinite)}
         self.log_at(trainer, metrics, step)  # at the step the values describe, as train/loss
         if trainer.is_global_zero:  # every rank holds the same events; one line each

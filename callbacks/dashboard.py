@@ -209,16 +209,15 @@ class TensorBoardDashboard(L.Callback):
         if not self.enabled or not trainer.is_global_zero:
             return
         saturation = _callback(trainer, AmaxSaturationCallback)
-        logged = getattr(saturation, "last_logged", None)
-        if not logged or logged["step"] <= self._drawn_step or not self._writers(trainer):
+        logged = getattr(saturation, "last_logged", None)  # the StepStats of the last step logged in full
+        if logged is None or logged.step <= self._drawn_step or not self._writers(trainer):
             return
-        self._drawn_step = logged["step"]
+        self._drawn_step = logged.step
         pattern = getattr(getattr(pl_module, "quant", None), "block_pattern", DEFAULT_BLOCK_PATTERN)
-        for tag, figure_name, cmap, _ in HEATMAPS:
-            values = logged.get(figure_name) or {}
-            blocks, columns, matrix = block_grid(values, pattern)
+        for tag, figure, cmap, _ in HEATMAPS:
+            blocks, columns, matrix = block_grid(getattr(logged, figure)(), pattern)
             if not blocks:
                 continue
-            title = f"{figure_name} per block and operand, step {logged['step']}"
+            title = f"{figure} per block and operand, step {logged.step}"
             for logger in self._writers(trainer):
-                logger.experiment.add_figure(tag, heatmap(title, blocks, columns, matrix, cmap), logged["step"])
+                logger.experiment.add_figure(tag, heatmap(title, blocks, columns, matrix, cmap), logged.step)

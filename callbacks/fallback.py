@@ -1,8 +1,9 @@
 """FallbackCallback: the automatic fallback policy of :mod:`qat_app.hif8.fallback` in a fit (opt-in).
 
 Once per optimizer step (the first ``on_train_batch_end`` after ``global_step`` moved: the scalers have advanced)
-it reads two run counters per quantized tensor in one device->host copy (and, on the steps whose health the
-saturation callback measured, their SQNR, summed over the ranks), updates the evidence and makes the tensors
+it takes two run counters per quantized tensor (and, on the steps whose health the saturation callback measured,
+their SQNR, summed over the ranks) from the step's :class:`~callbacks.step_stats.StepStats` (read without one
+where the run has no saturation callback), updates the evidence and makes the tensors
 that qualify fall back to ``policy.target`` before the next forward. Each decision is one warning with its
 evidence and is logged as ``fallback/tensors`` (the count so far, every step). The decisions live in the
 quantized matmuls' extra state (checkpoints, exports, the saturation summary and the report list them), and
@@ -22,10 +23,10 @@ from qat_app.errors import ConfigError, settings_of
 from qat_app.hif8.errors import FieldError
 from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, check_reachable_floor, fallback_step,
                                    quantized_tensors, read_counters, scaler_pairs)
-from qat_app.hif8.fallback_summary import TARGET_TEXT
+from qat_app.hif8.fallback_targets import TARGET_TEXT
 
 from .per_step import PerOptimizerStep
-from .saturation import AmaxSaturationCallback
+from .saturation import AmaxSaturationCallback, step_stats_of
 from .warmup import BF16WarmupCallback
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,8 @@ class FallbackCallback(PerOptimizerStep):
             except FieldError as err:
                 raise ConfigError(f"fallback: the checkpoint's fallback state does not fit this model: {err}") from None
         else:  # a fresh run (zeros), or one resumed from a checkpoint without fallback state: evidence starts now
-            events, steps, _ = read_counters(scaler_pairs(tensors), health=False)
-            self.monitor.start(events, steps)
+            counters = read_counters(scaler_pairs(tensors), health=False)
+            self.monitor.start(counters.events, counters.steps)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if self.monitor is None:
@@ -134,7 +135,9 @@ class FallbackCallback(PerOptimizerStep):
         step = self.completed_step(trainer)
         if step is None:
             return
-        new = fallback_step(pl_module.model, self.monitor, step)  # the step whose counters decided
+        stats = step_stats_of(trainer, pl_module, step)  # the saturation callback's record of the step, if it runs
+        new = fallback_step(pl_module.model, self.monitor, step,  # the step whose counters decided
+                            stats.counters if stats is not None else None)
         for decision in new:
             log.warning("fallback at step %d: %s.%s -> %s for the rest of the run (%s: %s)", decision["step"],
                         decision["module"], decision["operand"], TARGET_TEXT[decision["target"]], decision["reason"],

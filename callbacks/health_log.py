@@ -14,7 +14,7 @@ from qat_app.hif8.counters import HEALTH
 from qat_app.hif8.fallback import quantized_tensors
 from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, validate_grid
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, TIERS, summarize
-from qat_app.hif8.quantized import FALLBACK_HIGH_PRECISION
+from qat_app.hif8.fallback_targets import unquantized_by
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 
 from .step_stats import StepStats
@@ -165,6 +165,6 @@ class HealthLog:
         worst = self.worst.get(name, {})
         out = {"last": self.last.get(name), "worst_sqnr_db": finite_or_none(worst.get("sqnr_db", math.nan)),
                "worst_sqnr_step": worst.get("step")}
-        if fallback is not None and fallback.get("target") == FALLBACK_HIGH_PRECISION:
+        if unquantized_by(fallback):
             out["unquantized_since"] = fallback.get("step")
         return out

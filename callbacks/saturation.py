@@ -35,7 +35,7 @@ from .per_step import PerOptimizerStep
 from .step_stats import COUNT_FIELDS, FIELDS, WHATIF_COUNT, StepRow, StepStats, read_step
 
 __all__ = ["COUNT_FIELDS", "FIELDS", "WHATIF_COUNT", "AmaxSaturationCallback", "HeadroomSetup", "StepRow", "StepStats",
-           "clip_headrooms", "headroom_setup", "named_scalers"]
+           "clip_headrooms", "headroom_setup", "named_scalers", "step_stats_of"]
 
 log = logging.getLogger(__name__)
 TOTAL_FIELDS = ("saturation_events", "quantized_steps", "min_headroom", "a_hat", "scale", "steps_recorded")
@@ -92,6 +92,13 @@ def fallback_entries(model) -> list[dict]:
     """The fallback decisions of ``model`` (:func:`qat_app.hif8.fallback.fallen_back`), named like the tensors here."""
     return [{"tensor": f"{short_name(d['module'])}.{d['operand']}", **{k: v for k, v in d.items() if k not in ("module", "operand")}}
             for d in fallen_back(model)]
+
+
+def step_stats_of(trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> StepStats | None:
+    """The run's :class:`StepStats` of optimizer step ``step``, from its saturation callback (read once per step,
+    whichever callback asks first); None without that callback or a quantized tensor."""
+    saturation = next((c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)), None)
+    return saturation.step_stats(trainer, pl_module, step) if saturation is not None else None
 
 
 def _fallback_stopped(pl_module: L.LightningModule) -> dict | None:
@@ -162,7 +169,8 @@ class AmaxSaturationCallback(PerOptimizerStep):
         self._measuring = False  # the quantized matmuls' health switch, as last set
         self.summary_path: str | None = None
         self.first_clipped_step: dict[str, int] = {}  # tensor -> first optimizer step that clipped
-        self.last_logged: dict | None = None  # the last logging step's per-tensor figures (the dashboard's heatmaps)
+        self.last_logged: StepStats | None = None  # the last step logged in full (the dashboard's heatmaps)
+        self._stats: StepStats | None = None  # the step record last read (step_stats: read once per step)
 
     # the health figures live in the HealthLog; the checkpoint's state keys name them as before
     @property
@@ -208,6 +216,7 @@ class AmaxSaturationCallback(PerOptimizerStep):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._stats = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         # health is measured on the steps it is logged for: those completing step global_step + 1 (below)
@@ -225,7 +234,7 @@ class AmaxSaturationCallback(PerOptimizerStep):
         step = self.completed_step(trainer)
         if step is None or step < 0:
             return
-        stats = self.step_stats(pl_module, step, logged=self.logging_step(trainer, step + 1))
+        stats = self.step_stats(trainer, pl_module, step)
         if stats is None:
             return
         for name, row in zip(stats.names, stats.rows):
@@ -242,18 +251,19 @@ class AmaxSaturationCallback(PerOptimizerStep):
         pl_module.log("sat/clipped", metrics["sat/clipped"], on_step=True, prog_bar=True, logger=False)
         pl_module.log("sat/clipped_frac", metrics["sat/clipped_frac"], on_step=True, prog_bar=True, logger=False)
 
-    def step_stats(self, pl_module: L.LightningModule, step: int, logged: bool) -> StepStats | None:
-        """Every quantized tensor's figures of optimizer step ``step`` (None: no quantized tensor); ``logged``: a
-        step logged in full, whose health was measured (on_train_batch_start)."""
-        pairs = named_scalers(pl_module.model)
-        return read_step(pairs, step, logged, self.health and logged) if pairs else None
+    def step_stats(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> StepStats | None:
+        """Every quantized tensor's figures of optimizer step ``step`` (None: no quantized tensor), read on the
+        first call for the step and handed out again after (a collective: every rank asks in the same callback
+        order). A step logged in full had its health measured (on_train_batch_start)."""
+        if self._stats is None or self._stats.step != step:
+            pairs = named_scalers(pl_module.model)
+            logged = self.logging_step(trainer, step + 1)
+            self._stats = read_step(pairs, step, logged, self.health and logged) if pairs else None
+        return self._stats
 
     def _per_tensor_metrics(self, stats: StepStats) -> dict[str, float]:
-        """The logged step's per-tensor keys; its figures kept for the dashboard's pictures (``last_logged``)."""
-        self.last_logged = {"step": stats.step, "clipped_frac": {
-            name: row.clipped / row.numel for name, row in zip(stats.names, stats.rows) if row.numel},
-            "sqnr_db": {name: h["sqnr_db"] for name, h in self.health_log.last.items()
-                        if h["step"] == stats.step and h["sqnr_db"] is not None}}
+        """The logged step's per-tensor keys; the step kept for the dashboard's pictures (``last_logged``)."""
+        self.last_logged = stats
         metrics = {}
         for name, row in zip(stats.names, stats.rows):
             metrics[f"amax/{name}"] = row.amax

@@ -130,11 +130,7 @@ class QATModule(L.LightningModule):
         _check_training_settings(lr, lr_schedule, min_lr_ratio, lr_warmup_steps, max_consecutive_nonfinite)
         self.quant = quant = QuantConfig.coerce(quant)  # a checkpoint's hyper-parameters hold a plain dict
         self.distill = DistillConfig.coerce(distill)
-        # save_hyperparameters reads the constructor's arguments from its locals: the checkpoint (and the
-        # loggers) get the settings as plain values, so no class of ours is pickled into a checkpoint
-        quant, distill = quant.to_dict(), self.distill.to_dict()
-        self.save_hyperparameters()
-        quant = self.quant
+        self.save_hyperparameters()  # the settings objects saved as plain values (_set_hparams)
         self.model, self.tokenizer = load_causal_lm(
             model_name, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code
         )
@@ -156,6 +152,13 @@ class QATModule(L.LightningModule):
         self._batch_shape: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the last batch
         self.forget_kl = None  # KL to the initial model (eval.kl_cache.InitialKL): measure_forgetting
         self.run_precision: str | None = None  # the precision a loaded checkpoint's run trained in (restore_run)
+
+    def _set_hparams(self, hp) -> None:
+        """Lightning's hook for what ``save_hyperparameters`` saves: the settings objects (``quant``, ``distill``)
+        as their plain dicts, so the checkpoint and the loggers get plain values and no class of ours is pickled
+        into a checkpoint (LightningCLI hands them over as dicts already)."""
+        super()._set_hparams({key: value.to_dict() if isinstance(value, (QuantConfig, DistillConfig)) else value
+                              for key, value in self._to_hparams_dict(hp).items()})
 
     def measure_forgetting(self, tracker) -> None:
         """Measure ``forget/kl`` on the validation batches with ``tracker`` (an :class:`~qat_app.eval.kl_cache.InitialKL`,

@@ -21,6 +21,7 @@ import main as cli
 from callbacks import SpikeAlarm
 from callbacks.alarms import (EVENTS, EVENTS_FILE, GRAD_NORM_SPIKE, GRAD_NORM_Z, LOSS_SPIKE, LOSS_Z, NONFINITE,
                               NONFINITE_STEP, RELATIVE_FLOOR, STOP_FILE)
+from callbacks.saturation import MAX_CLIPPED_FRAC, MIN_HEADROOM
 from qat_app.errors import ConfigError
 from tests._cli_runs import write_config
 
@@ -216,6 +217,15 @@ def test_planted_spike_and_nan_are_events_and_stop_resumes_to_the_same_events(tm
     written = json.load(open(os.path.join(straight.log_dir, EVENTS_FILE)))
     assert [(e["step"], e["kind"]) for e in written["events"]] == [(e["step"], e["kind"]) for e in alarm.events]
     assert written["counts"][NONFINITE_STEP] == 1 and written["global_step"] == STEPS
+    # beside each event, the step's clipping: the saturation callback's record of that step, as it logged it
+    for event in alarm.events:
+        at = logged[event["step"]]
+        assert event["clipping"]["clipped_frac"] == pytest.approx(at["sat/clipped_frac"], rel=1e-12)
+        assert event["clipping"]["max_clipped_frac"] == pytest.approx(at.get(MAX_CLIPPED_FRAC, 0.0), rel=1e-12)
+        assert event["clipping"]["min_headroom"] == (pytest.approx(at[MIN_HEADROOM], rel=1e-12)
+                                                     if MIN_HEADROOM in at else None)
+    assert any(e["clipping"]["min_headroom"] is not None for e in alarm.events)  # quantized steps among them
+    assert "of its quantized elements (worst tensor" in line
 
     # action stop: a checkpoint after the spike's step, the resume command; resuming it ends as the straight run
     config = _config(tmp_path / "stopped", tiny_model_dir, tiny_corpus, **{"alarms.action": "stop"})

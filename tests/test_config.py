@@ -112,5 +112,7 @@ def test_module_hyperparameters_hold_plain_settings(tiny_model_dir):
 
     module = QATModule(model_name=str(tiny_model_dir), quant=QuantConfig(history_len=7, high_precision_layers=1))
     assert type(module.hparams["quant"]) is dict and module.hparams["quant"]["history_len"] == 7
+    assert type(module.hparams["distill"]) is dict  # the other settings object too
+    assert module.hparams_initial == module.hparams  # what the loggers write
     again = QATModule(**module.hparams)
     assert again.quant == module.quant and again.quant_report.modules == module.quant_report.modules

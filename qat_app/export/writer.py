@@ -15,6 +15,7 @@ from torch import nn
 from ..config import QuantConfig
 from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
+from ..hif8.fallback_targets import unquantized_by
 from ..hif8.linear import HiF8Linear
 from ..hif8.operand import Operand
 from ..hif8.patch import quantized_linears
@@ -129,7 +130,7 @@ class _Tensors:
 def why_dense(layer) -> str:
     """Why a quantized matmul's weight is not stored as codes: it fell back to high precision, or its switch is off."""
     record = layer.fallback.get("weight")
-    if record is not None and record["target"] == "high_precision":
+    if unquantized_by(record):
         return f"the weight fell back to high precision at step {record.get('step')} ({record.get('reason')})"
     return "weight quantization is off (exported inside the BF16 warmup?)"
 

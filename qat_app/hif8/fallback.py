@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -26,7 +26,9 @@ from .counters import HEALTH, gather_columns
 from .health import FIELDS as HEALTH_FIELDS, sqnr_from_powers
 from .patch import quantized_linears
 from .operand import Operand
-from .quantized import FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, QuantizedMatmul
+from .fallback_targets import (BY_NAME, FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS,  # noqa: F401
+                               unquantized_by)
+from .quantized import QuantizedMatmul
 from .sqnr_bound import gaussian_sqnr_bound
 
 SATURATION, LOW_SQNR = "persistent saturation", "SQNR under the floor"
@@ -89,9 +91,10 @@ class FallbackPolicy:
             raise FallbackError("sqnr_patience", f"must be an integer >= 1, got {self.sqnr_patience!r}")
         if self.min_events == 0 and self.sqnr_floor_db is None:
             raise FallbackError("min_events", "is 0 and sqnr_floor_db is null: no rule is left to trigger a fallback")
-        if self.sqnr_floor_db is not None and self.on_low_sqnr == FALLBACK_CURRENT:
-            raise FallbackError("on_low_sqnr", "current cannot cure a low SQNR: current scaling changes the scale, not "
-                                               "the format, and a tensor that does not clip keeps the SQNR its format "
+        if self.sqnr_floor_db is not None and not BY_NAME[self.on_low_sqnr].cures_low_sqnr:
+            target = BY_NAME[self.on_low_sqnr]
+            raise FallbackError("on_low_sqnr", f"{target.name} cannot cure a low SQNR: {target.text} changes the "
+                                               "scale, not the format, and a tensor that does not clip keeps the SQNR its format "
                                                "gives it (HiF8: at most 31.56 dB on a Gaussian at any scale); use "
                                                "high_precision")
         budget = self.max_tensors
@@ -287,18 +290,33 @@ def fallen_back(model: nn.Module) -> list[dict]:
             for name, layer, operand in quantized_tensors(model) if operand in layer.fallback]
 
 
-def read_counters(pairs: list, health: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(saturation_events, quantized_steps, SQNR in dB or None)`` of the ``(tensor name, scaler)`` pairs on the
-    CPU, in one device->host copy (:func:`.counters.gather_columns`); with ``health``, the SQNR of the step's
-    health vectors summed over the data-parallel ranks (a collective: call it on every rank), NaN where a tensor
-    was not measured."""
-    columns = gather_columns(pairs, ("saturation_events", "quantized_steps"), (HEALTH,) if health else ())
+RUN_FIELDS = ("saturation_events", "quantized_steps")  # the run counters the policy decides on
+
+
+class RunCounters(NamedTuple):
+    """What the policy decides on, per quantized tensor in model order (CPU tensors)."""
+
+    events: torch.Tensor  # saturation events so far (long)
+    steps: torch.Tensor  # quantized steps so far (long)
+    sqnr: torch.Tensor | None  # the step's SQNR in dB, NaN where not measured (None: no health vectors read)
+
+
+def run_counters(columns: dict[str, torch.Tensor]) -> RunCounters:
+    """The :class:`RunCounters` in ``columns`` (:func:`.counters.gather_columns` of :data:`RUN_FIELDS`, with the
+    health vectors summed over the ranks when they were read)."""
     sqnr = None
-    if health:
+    if HEALTH in columns:
         vectors = columns[HEALTH]
         numel, sum_x2, sum_err2 = (vectors[:, HEALTH_FIELDS.index(f)] for f in ("numel", "sum_x2", "sum_err2"))
         sqnr = torch.where(numel > 0, sqnr_from_powers(sum_x2, sum_err2), math.nan)
-    return columns["saturation_events"].long(), columns["quantized_steps"].long(), sqnr
+    return RunCounters(columns["saturation_events"].long(), columns["quantized_steps"].long(), sqnr)
+
+
+def read_counters(pairs: list, health: bool) -> RunCounters:
+    """The :class:`RunCounters` of the ``(tensor name, scaler)`` pairs, in one device->host copy; with ``health``,
+    the SQNR of the step's health vectors summed over the data-parallel ranks (a collective: call it on every
+    rank)."""
+    return run_counters(gather_columns(pairs, RUN_FIELDS, (HEALTH,) if health else ()))
 
 
 def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, Operand]]) -> list[tuple[str, object]]:
@@ -306,8 +324,9 @@ def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, Operand]]) -> list[tu
     return [(operand.tensor_name(name), layer.scaler_of(operand)) for name, layer, operand in tensors]
 
 
-def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int) -> list[dict]:
-    """One optimizer step of the policy on ``model`` (after the scalers advanced): update the evidence, make the
+def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int, counters: RunCounters | None = None) -> list[dict]:
+    """One optimizer step of the policy on ``model`` (after the scalers advanced) on its ``counters`` (None: read
+    here, :func:`read_counters`; a training loop that reads them already hands them over): update the evidence, make the
     tensors that qualify fall back to the remedy of their symptom (recording ``step``, the rule, the evidence and
     the counters at that point), and verify the earlier decisions (:func:`verify_decisions`) -> the new decisions,
     as :func:`fallen_back` lists them. Every data-parallel rank takes the same decisions (the counters are the same
@@ -315,14 +334,14 @@ def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int) -> list
     tensors = quantized_tensors(model)
     if not tensors:
         return []
-    pairs = scaler_pairs(tensors)
-    measured = any(s.health_last is not None for _, s in pairs)
-    events, steps, sqnr = read_counters(pairs, measured)
+    if counters is None:
+        pairs = scaler_pairs(tensors)
+        counters = read_counters(pairs, health=any(s.health_last is not None for _, s in pairs))
+    events, steps, sqnr = counters
     policy = monitor.policy
     eligible = torch.tensor([operand not in layer.fallback for _, layer, operand in tensors])
     # a current-scaled tensor cannot be cured of saturation by current scaling
-    saturation_eligible = eligible & torch.tensor([not (policy.on_saturation == FALLBACK_CURRENT and
-                                                        layer.scaler_of(operand).algo == "current")
+    saturation_eligible = eligible & torch.tensor([not BY_NAME[policy.on_saturation].already(layer.scaler_of(operand))
                                                    for _, layer, operand in tensors])
     monitor.verified = verify_decisions(tensors, policy, events, steps, sqnr, step)
     already = int((~eligible).sum())
@@ -354,7 +373,7 @@ def verify_decisions(tensors: list, policy: FallbackPolicy, events: torch.Tensor
         since_steps, since_events = int(steps[i]) - record["steps_at"], int(events[i]) - record["events_at"]
         if sqnr is not None and not math.isnan(float(sqnr[i])):
             record["sqnr_after"] = round(float(sqnr[i]), 2)
-        if record["target"] == FALLBACK_HIGH_PRECISION:
+        if unquantized_by(record):
             worked = since_steps == 0
             text = ("unquantized since: no 8-bit error, nothing clipped" if worked else
                     f"still quantized: {since_steps} quantized steps since")

@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections import Counter
 
 from .fallback import pending_verification
+from .fallback_targets import TARGET_TEXT
 from .headroom import block_of
 from .operand import Operand
 from .inventory import block_ranges
 from .recipe import DEFAULT_BLOCK_PATTERN
 
 MAX_GROUP_LINES = 4  # with the header and the budget's stop: at most 6 lines
-TARGET_TEXT = {"current": "current scaling", "high_precision": "high precision"}
 
 
 def _tensor(entry: dict) -> str:

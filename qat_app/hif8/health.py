@@ -20,11 +20,7 @@ import torch
 from .backends.compiled import compiles_exact_division, run_compiled
 from .backends.reference import current_scale, dequantized, raw_current_scale, whatif_counts
 from .formats import Float8Format, _f32_bits, _mantissa_bits
-from .recipe import AMAX_ALGOS
-
-
-WHATIF_ALGOS = AMAX_ALGOS  # one what-if count per estimator, in this order
-DELAYED_ALGOS = tuple(a for a in WHATIF_ALGOS if a != "current")  # the ones whose scale the scaler keeps
+from .estimators import DELAYED_ALGOS, WHATIF_ALGOS  # noqa: F401  (the what-if's columns: part of this interface)
 
 FIELDS = ("numel", "sum_x2", "sum_err2", "underflow")
 TIERS = ("mant3", "mant2", "mant1", "denormal", "zero")

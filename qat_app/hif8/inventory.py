@@ -24,7 +24,7 @@ from .experts import HiF8Experts, is_fused_experts
 from .linear import HiF8Linear
 from .patch import _is_linear, block_index, count_blocks, quantized_block_range, quantized_linears
 from .operand import Operand
-from .quantized import FALLBACK_HIGH_PRECISION
+from .fallback_targets import unquantized_by
 from .recipe import LayerSelection
 
 INVENTORY_FILE = "quantized_modules.json"
@@ -64,7 +64,7 @@ def operands_quantized(layer, switched_on: Mapping[str, bool] | None = None) -> 
     now = {operand.value: getattr(layer, operand.switch_name) for operand in Operand}
     now.update(switched_on or {})
     now[Operand.GRAD.value] = bool(now[Operand.GRAD]) and layer.grad_scaler is not None
-    fell_back = {op for op, record in layer.fallback.items() if record["target"] == FALLBACK_HIGH_PRECISION}
+    fell_back = {op for op, record in layer.fallback.items() if unquantized_by(record)}
     return {operand.value: bool(now[operand]) and operand not in fell_back for operand in Operand}
 
 

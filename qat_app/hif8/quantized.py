@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .fake_quant import dequantize_codes, saturated_mask
+from .fallback_targets import BY_NAME, FALLBACK_TARGETS, unquantized_by
 from .formats import Float8Format, get_format
 from .fp8_gemm import e4m3_parts_of_codes
 from .gemm import (GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, GemmOperand, column_sums, decode_factors,
@@ -33,8 +34,6 @@ from .scaling import AmaxScaler
 
 # what an operand may fall back to (:mod:`.fallback`): its scaler switches to current scaling, or it is no longer
 # quantized
-FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
-FALLBACK_TARGETS = (FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION)
 
 
 class QuantizedInput(NamedTuple):
@@ -153,8 +152,7 @@ class QuantizedMatmul(nn.Module):
 
     def switched_on(self, operand: Operand) -> bool:
         """``operand`` is quantized: its switch is on and it did not fall back to high precision."""
-        return (self.__dict__.get(_Switch.attribute(operand), False)
-                and self.fallback.get(operand, {}).get("target") != FALLBACK_HIGH_PRECISION)
+        return self.__dict__.get(_Switch.attribute(operand), False) and not unquantized_by(self.fallback.get(operand))
 
     def scaler_of(self, operand: Operand | str) -> AmaxScaler | None:
         return getattr(self, Operand(operand).scaler_name, None)
@@ -165,7 +163,7 @@ class QuantizedMatmul(nn.Module):
         return OperandPlan(scaler, self.switched_on(operand), None if scaler is None else scaler.max_val)
 
     def fall_back(self, operand: Operand | str, target: str, **record) -> None:
-        """Switch ``operand`` for the rest of the run to ``target`` (:data:`FALLBACK_TARGETS`): ``current`` scaling
+        """Switch ``operand`` for the rest of the run to ``target`` (:mod:`.fallback_targets`): ``current`` scaling
         (its scaler becomes a CTS scaler: never clips) or ``high_precision`` (no longer quantized). ``record``
         (step, reason, evidence) is kept with it, in the extra state, so a checkpoint or an export carries it."""
         if target not in FALLBACK_TARGETS:
@@ -175,8 +173,8 @@ class QuantizedMatmul(nn.Module):
         if scaler is None:
             raise ValueError(f"{operand}: this matmul has no {operand.scaler_name} to fall back")
         self.fallback[operand.value] = {"target": target, **record}
-        if target == FALLBACK_CURRENT:
-            scaler.use_current_scaling()
+        if BY_NAME[target].apply is not None:
+            BY_NAME[target].apply(scaler)
         self._weight_cache = None
 
     def named_scalers(self) -> list[tuple[str, AmaxScaler]]:

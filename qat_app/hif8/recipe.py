@@ -18,10 +18,10 @@ from typing import Callable, Literal, Optional
 from torch import nn
 
 from .errors import RecipeError
+from .estimators import AMAX_ALGOS
 from .formats import FORMATS, get_format
 from .gemm import FP8_TAILS, GEMM_EMULATED, GEMM_MODES, TAIL_DROP
 
-AMAX_ALGOS = ("most_recent", "exp_smooth", "max", "current")
 STE_MODES = ("identity", "clipped")
 FUSED_MODES = ("auto", "on", "off")
 

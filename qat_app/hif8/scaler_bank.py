@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .fake_quant import compute_scale
-from .health import DELAYED_ALGOS, WHATIF_ALGOS
+from .estimators import BY_NAME, WHATIF_ALGOS, delayed_estimates, own_estimate
 
 # A scaler as the bank sees it: a module holding the buffers named in the rows below and the recipe's attributes
 # (algo, history_len, alpha, margin, power_2, max_val). The bank never imports AmaxScaler: the import goes one way,
@@ -42,13 +42,6 @@ WHATIF_SCALE = "whatif_scale"
 SYNC_WIDTH = 3 + len(WHATIF_ALGOS)
 
 
-def delayed_estimates(history: torch.Tensor, smoothed: torch.Tensor) -> torch.Tensor:
-    """a_hat of every delayed estimator (``[..., len(DELAYED_ALGOS)]``) from an amax history ``[..., H]`` and
-    exp_smooth's estimate ``[...]`` (already updated): the one definition, for a scaler's own a_hat and its what-if."""
-    by_algo = {"most_recent": history[..., 0], "exp_smooth": smoothed, "max": history.amax(dim=-1)}
-    return torch.stack([by_algo[a] for a in DELAYED_ALGOS], dim=-1)
-
-
 def _data_parallel(group=None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
@@ -67,7 +60,7 @@ class ScalerBank:
         self.max_val = first.max_val
         # the column of delayed_estimates that is this bank's a_hat (current: what it saw last, for logging
         # and fallback)
-        self.own_estimate = DELAYED_ALGOS.index("most_recent" if self.algo == "current" else self.algo)
+        self.own_estimate = own_estimate(self.algo)
         self.scalers = list(scalers)
         with torch.no_grad():
             self.f32 = torch.stack([torch.stack([s._buffers[r] for s in scalers]) for r in F32_ROWS])
@@ -199,12 +192,10 @@ class ScalerBank:
         seen_max = torch.where(recorded, history, torch.zeros_like(history)).amax(dim=1, keepdim=True)
         history.copy_(torch.where(recorded, history, seen_max))
         a_hat, scale = self.row("a_hat"), self.row("scale")
-        if self.algo == "max":
-            a_hat.copy_(history.amax(dim=1))
-        elif self.algo in ("most_recent", "current"):
-            a_hat.copy_(history[:, 0])
-        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale, self.power_2))
         estimates = delayed_estimates(history, self.row("smoothed_a_hat"))
+        if BY_NAME[self.algo].windowed:  # exp_smooth's estimate reads no window: it stays
+            a_hat.copy_(estimates[:, self.own_estimate])
+        scale.copy_(compute_scale(a_hat, self.max_val, self.margin, scale, self.power_2))
         self.whatif_scale.copy_(compute_scale(estimates, self.max_val, self.margin, self.whatif_scale, self.power_2))
         for scaler in self.scalers:
             scaler.__dict__["version"] += 1

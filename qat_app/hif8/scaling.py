@@ -19,13 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .estimators import AMAX_ALGOS, DELAYED_ALGOS, WHATIF_ALGOS, delayed_estimates
 from .fake_quant import FakeQuantResult, compute_scale, fake_quantize, fake_quantize_current
 from .formats import Float8Format, get_format, saturation_threshold
-from .health import (DELAYED_ALGOS, WHATIF_ALGOS, current_never_clips, measure_health, whatif_clipped,
-                     whatif_from_delayed)
+from .health import current_never_clips, measure_health, whatif_clipped, whatif_from_delayed
 from .profiling import HEALTH, QUANTIZE, WHATIF, profiled
-from .recipe import AMAX_ALGOS
-from .scaler_bank import ScalerBank, _data_parallel, delayed_estimates
+from .scaler_bank import ScalerBank, _data_parallel
 
 
 class AmaxScaler(nn.Module):

@@ -11,6 +11,7 @@ import math
 import textwrap
 from pathlib import Path
 
+from ..hif8.estimators import ESTIMATORS
 from ..hif8.health import TIERS, WHATIF_ALGOS
 from .figures import _plt, _warmup_line
 from .health import (REAL_CLIPPED, TIER_FIGURES, WHATIF_CAVEAT, cumulative, estimator_used, health_column,
@@ -19,8 +20,7 @@ from .runs import Run, warmup_switch_step
 
 HEALTH_FIGURES = ("whatif_clipped.png", "sqnr_heatmap.png", "precision_tiers.png")
 # colour and line style per estimator: overlapping lines (equal counts) stay distinguishable
-ESTIMATOR_STYLE = dict(zip(WHATIF_ALGOS, (("tab:blue", "-"), ("tab:orange", "--"), ("tab:green", "-."),
-                                          ("tab:purple", ":"))))
+ESTIMATOR_STYLE = {estimator.name: estimator.style for estimator in ESTIMATORS}
 # most precise (dark blue) to least (orange), zeros grey
 TIER_COLORS = dict(zip(TIERS, ("#08519c", "#4292c6", "#9ecae1", "#fd8d3c", "#bdbdbd")))
 SQNR_CMAP = "RdYlGn"  # red: low SQNR (imprecise), green: high
