@@ -19,7 +19,7 @@ import math
 import os
 import statistics
 from collections import deque
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import lightning as L
 import torch
@@ -53,14 +53,38 @@ CAUSES = {
 }
 
 
-def robust_z(value: float, history) -> tuple[float, float, float]:
-    """(z, median, spread) of ``value`` against ``history``: spread = max(1.4826 MAD, 0.1 % of |median|)."""
+class RobustZ(NamedTuple):
+    """A value scored against a window (:func:`robust_z`)."""
+
+    z: float
+    median: float
+    spread: float  # max(1.4826 MAD, 0.1 % of |median|)
+
+
+def robust_z(value: float, history) -> RobustZ:
+    """``value``'s robust z against ``history``: (value - median) / max(1.4826 MAD, 0.1 % of |median|)."""
     median = statistics.median(history)
     mad = statistics.median(abs(v - median) for v in history)
     spread = max(MAD_TO_SIGMA * mad, RELATIVE_FLOOR * abs(median))
     if spread == 0.0:  # a window of zeros
-        return (0.0 if value == median else math.copysign(math.inf, value - median)), median, spread
-    return (value - median) / spread, median, spread
+        return RobustZ(0.0 if value == median else math.copysign(math.inf, value - median), median, spread)
+    return RobustZ((value - median) / spread, median, spread)
+
+
+class Scored(NamedTuple):
+    """One new value of a series (:meth:`SpikeDetector.observe`): z and median None while the window is short."""
+
+    z: float | None
+    median: float | None
+    history: int  # the values it was scored against
+
+
+class StepRead(NamedTuple):
+    """What :class:`SpikeAlarm` reads of one optimizer step."""
+
+    loss: float | None
+    grad_norm: float | None
+    nonfinite: bool  # the step was skipped
 
 
 class SpikeDetector:
@@ -70,15 +94,15 @@ class SpikeDetector:
         self.values: deque[float] = deque(maxlen=window)
         self.min_history = min_history
 
-    def observe(self, value: float) -> tuple[float | None, float | None, int]:
-        """(z, median, values scored against) of ``value`` against the window before it (z and median None
-        while it holds < min_history values)."""
+    def observe(self, value: float) -> Scored:
+        """``value`` scored against the window before it (z and median None while it holds < min_history values),
+        then kept."""
         z = median = None
         history = len(self.values)
         if history >= self.min_history:
             z, median, _ = robust_z(value, self.values)
         self.values.append(value)
-        return z, median, history
+        return Scored(z, median, history)
 
 
 def clipping_of(stats: StepStats | None) -> dict | None:
@@ -225,8 +249,8 @@ class SpikeAlarm(PerOptimizerStep):
         if new and self.action == "stop":
             self._stop(trainer)
 
-    def _read_step(self, trainer, pl_module) -> tuple[float | None, float | None, bool]:
-        """(loss, gradient norm, skipped?) of the step just taken: one host transfer (after one all-reduce of
+    def _read_step(self, trainer, pl_module) -> StepRead:
+        """The loss, gradient norm and skip of the step just taken: one host transfer (after one all-reduce of
         the loss when there are several ranks)."""
         loss_sum, micro = self._loss_sum, self._micro_batches
         self._loss_sum, self._micro_batches = None, 0
@@ -243,7 +267,7 @@ class SpikeAlarm(PerOptimizerStep):
                 values.append(tensor.detach())
                 names.append(name)
         if not values:
-            return None, None, False
+            return StepRead(None, None, False)
         device = values[0].device
         read = dict(zip(names, torch.stack([v.to(device, torch.float64) for v in values]).tolist()))
         loss, grad_norm = read.get("loss"), read.get("grad_norm")
@@ -253,7 +277,7 @@ class SpikeAlarm(PerOptimizerStep):
             self._skipped_seen = skipped
         else:  # a module without the skip counter: a non-finite value is the event
             nonfinite = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
-        return loss, grad_norm, nonfinite
+        return StepRead(loss, grad_norm, nonfinite)
 
     def _stop(self, trainer) -> None:
         log_dir = trainer.log_dir  # a broadcast: every rank

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -115,23 +115,30 @@ def resume_setting_changes(ckpt: dict, module, datamodule=None, trainer=None, wa
     return refused, allowed
 
 
+class IntactCheckpoint(NamedTuple):
+    """The newest usable checkpoint of a run (:func:`newest_intact_checkpoint`)."""
+
+    path: str | None  # None: none is usable
+    summary: str | None
+    refused: list[tuple[str, str]]  # the newer ones refused, with why
+
+
 def newest_intact_checkpoint(trainer, module, weights_only=None, need_training_state=True, datamodule=None,
-                             warmup=None):
-    """-> (path, summary, refused): the newest checkpoint of the run that :func:`validate_resume_checkpoint`
-    accepts, and the newer ones it refused with why (a save killed midway leaves a truncated file).
-    (None, None, refused) when none is usable."""
+                             warmup=None) -> IntactCheckpoint:
+    """The newest checkpoint of the run that :func:`validate_resume_checkpoint` accepts, and the newer ones it
+    refused with why (a save killed midway leaves a truncated file)."""
     refused: list[tuple[str, str]] = []
     for path in run_checkpoints(trainer):
         try:
-            return path, validate_resume_checkpoint(path, module, weights_only, need_training_state, datamodule,
-                                                    trainer, warmup), refused
+            return IntactCheckpoint(path, validate_resume_checkpoint(path, module, weights_only, need_training_state,
+                                                                     datamodule, trainer, warmup), refused)
         except (ResumeSettingsError, UnsafeFileError):
             # intact, but not this run's settings: an older checkpoint would not be either; or a file that
             # carries code: said, not passed over for an older one
             raise
         except CheckpointError as err:
             refused.append((path, str(err)))
-    return None, None, refused
+    return IntactCheckpoint(None, None, refused)
 
 
 def read_checkpoint(path: str, weights_only: bool | None = None, optimizer: bool = False,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
+from typing import NamedTuple
 
 import numpy as np
 
@@ -116,6 +117,14 @@ def floor_verdict(low: float, high: float, floor_high: float | None) -> str:
     return "above the noise of the arithmetic" if low > floor_high else "overlaps the noise of the arithmetic"
 
 
+class Ratio(NamedTuple):
+    """A ratio and its interval (:attr:`PairedResult.ratio`)."""
+
+    value: float
+    low: float
+    high: float
+
+
 @dataclass(frozen=True)
 class PairedResult:
     """A paired comparison of two evaluations over the same examples (or the mean of a per-pair drift).
@@ -145,6 +154,12 @@ class PairedResult:
     @property
     def interval(self) -> tuple[float, float]:
         return self.low, self.high
+
+    @property
+    def ratio(self) -> Ratio:
+        """``exp`` of the difference and of its interval: for a difference of log values (of mean NLLs per token,
+        the perplexity ratio after / before)."""
+        return Ratio(math.exp(self.difference), math.exp(self.low), math.exp(self.high))
 
 
 def jsonable(result: "PairedResult | None") -> dict | None:

@@ -50,7 +50,7 @@ def test_a_bf16_mixed_fits_export_holds_the_codes_it_trained_with(tmp_path, tiny
     from safetensors.torch import load_file
 
     from qat_app.export.layout import WEIGHTS_FILE
-    from qat_app.export.writer import changed_codes
+    from qat_app.export.source import changed_codes
     from qat_app.hif8.linear import HiF8Linear
     from tests._cli_runs import checkpointed_fit
 

@@ -340,7 +340,7 @@ def test_moe_experts_stay_in_bf16_and_the_dense_mlps_go_fp8(tmp_path):
     assert torch.isfinite(logits(served, ids)).all()
     # the experts hold the fake-quantized weights the QAT forward used
     module = model.get_submodule(experts[0])
-    from qat_app.export.writer import quantize_experts_param
+    from qat_app.export.source import quantize_experts_param
 
     _, _, expected = quantize_experts_param(module, "down_proj")
     assert torch.equal(served.get_submodule(experts[0]).down_proj, expected)

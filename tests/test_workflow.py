@@ -94,7 +94,7 @@ def test_the_workflows_flags_are_the_parsers_and_the_serve_targets_exist():
         if argv[:2] == ["python", "main.py"]:
             flags = command_flags(argv[2])
             assert all(a in flags for a in argv[3:] if a.startswith("--")), argv
-    from qat_app.export.compressed import SERVE_TARGETS
+    from qat_app.export.serve_targets import SERVE_TARGETS
 
     readme = (ROOT / "README.md").read_text()
     paragraph = readme[readme.index("`--serve_target`"):].split("\n\n", 1)[0]

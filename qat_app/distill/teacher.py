@@ -9,6 +9,7 @@ builds it again from the same source and checks it against the checkpoint's :att
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +36,14 @@ def check_same_tokenizer(name: str, teacher_tokenizer, student_tokenizer, teache
             teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
         raise ConfigError(f"distill.teacher: {name} has another tokenizer than the student (their vocabularies "
                           "differ): the teacher must share the student's tokenizer")
+
+
+class DistilledLoss(NamedTuple):
+    """One batch's distilled loss (what is minimized) and its parts, means over the labelled positions."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor  # KL(teacher || student) at the temperature
+    ce: torch.Tensor  # the student's cross-entropy on the labels
 
 
 class Teacher:
@@ -69,13 +78,13 @@ class Teacher:
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return final_hidden(self.model, input_ids, attention_mask)
 
-    def loss(self, student: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, config) -> tuple:
-        """The distilled training loss of ``student`` on one batch -> (loss, KL at T, CE), means over the labelled
-        positions: ``kl_weight x T^2 x KL + ce_weight x CE`` (:class:`~.config.DistillConfig`)."""
+    def loss(self, student: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, config) -> DistilledLoss:
+        """The distilled training loss of ``student`` on one batch, with its KL at T and CE, means over the
+        labelled positions: ``kl_weight x T^2 x KL + ce_weight x CE`` (:class:`~.config.DistillConfig`)."""
         losses = distill_losses(student, self.model, final_hidden(student, input_ids), self.hidden(input_ids), labels,
                                 config.temperature, config.chunk_tokens)
         kl, ce = losses.means()
-        return config.kl_weight * config.temperature ** 2 * kl + config.ce_weight * ce, kl, ce
+        return DistilledLoss(config.kl_weight * config.temperature ** 2 * kl + config.ce_weight * ce, kl, ce)
 
     def state(self) -> dict:
         """What a checkpoint keeps of it: where it came from and what it was."""

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,9 +39,17 @@ CHUNK_ELEMENTS = 1 << 25  # logits elements scored at a time (128 MiB in float32
 KL, DRIFT, QUANTIZATION = FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION
 
 
-def with_interval(name: str) -> tuple[str, str, str]:
+class Interval(NamedTuple):
+    """A mean and its 95 % interval (or, :func:`with_interval`, the names they are logged under)."""
+
+    mean: Any
+    low: Any
+    high: Any
+
+
+def with_interval(name: str) -> Interval:
     """A logged mean and its 95 % interval: ``name``, ``name_low``, ``name_high``."""
-    return name, f"{name}_low", f"{name}_high"
+    return Interval(name, f"{name}_low", f"{name}_high")
 
 
 METRICS = with_interval(KL)
@@ -104,14 +112,14 @@ def coarse_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1).clamp_min(0.0)
 
 
-def interval(sequence_means: torch.Tensor) -> tuple[float, float, float]:
-    """-> (mean, mean - 1.96 SE, mean + 1.96 SE) of per-sequence means (SE with n-1; NaN bounds for n < 2)."""
+def interval(sequence_means: torch.Tensor) -> Interval:
+    """(mean, mean - 1.96 SE, mean + 1.96 SE) of per-sequence means (SE with n-1; NaN bounds for n < 2)."""
     x = sequence_means.double().flatten()
     mean = float(x.mean()) if x.numel() else math.nan
     if x.numel() < 2:
-        return mean, math.nan, math.nan
+        return Interval(mean, math.nan, math.nan)
     half = 1.96 * float(x.std(unbiased=True)) / math.sqrt(x.numel())
-    return mean, mean - half, mean + half
+    return Interval(mean, mean - half, mean + half)
 
 
 def kept_positions(seq_len: int, available: int, max_tokens: int, world_size: int = 1) -> tuple[int, int]:
@@ -171,7 +179,16 @@ def load_topk(path: str) -> TopKFile:
     return TopKFile(header, raw["logprobs"], raw.get("tokens"), raw.get("indices"))
 
 
-def kl_between(file_a: str, file_b: str) -> tuple[float, float, float, int]:
+class KLBetween(NamedTuple):
+    """KL(a || b) per token between two top-k files: the mean, its 95 % interval over sequences, the tokens."""
+
+    mean: float
+    low: float
+    high: float
+    tokens: int
+
+
+def kl_between(file_a: str, file_b: str) -> KLBetween:
     """KL(a || b) per token between two top-k files of the same initial cache (``initial_topk.pt`` or
     ``final_topk.pt`` of runs that share it: same model, data and top-k partition), e.g. KL(baseline || QAT)
     of two runs' ``final_topk.pt``. -> (mean, low, high, n_tokens), the interval over sequences as ``forget/kl``.
@@ -183,8 +200,7 @@ def kl_between(file_a: str, file_b: str) -> tuple[float, float, float, int]:
             f"{str(a.header.get('partition'))[:12]} vs {str(b.header.get('partition'))[:12]}, shapes "
             f"{tuple(a.logprobs.shape)} vs {tuple(b.logprobs.shape)}): same model and data needed")
     kl = coarse_kl(a.logprobs, b.logprobs)  # [N, L]
-    mean, low, high = interval(kl.double().mean(-1))
-    return mean, low, high, kl.numel()
+    return KLBetween(*interval(kl.double().mean(-1)), kl.numel())
 
 
 # ------------------------------------------------------------------------------------------ in a fit

@@ -140,7 +140,7 @@ def noise_floor(model: nn.Module, batches: list[torch.Tensor], seeds=DEFAULT_SEE
                 nll_ref.extend((-reference.double().log_softmax(-1).gather(-1, targets)).squeeze(-1).mean(1).tolist())
                 nll_perturbed.extend((-perturbed.double().log_softmax(-1).gather(-1, targets)).squeeze(-1).mean(1).tolist())
         nll = stats.paired_difference(nll_ref, nll_perturbed)
-        ratios.append((math.exp(nll.difference), math.exp(nll.low), math.exp(nll.high)))
+        ratios.append(nll.ratio)
     return NoiseFloor(quantized=True, relative=relative, seeds=seeds, kl=stats.clustered_mean(kl, clusters),
                       perplexity_ratios=ratios, seconds=time.perf_counter() - started)
 

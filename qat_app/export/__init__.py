@@ -19,11 +19,12 @@ from .layout import (HF_EXPORT_INFO, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION,
                      read_layout)
 from .qat_checkpoint import load_qat_checkpoint
 from .reader import HiF8ExportedLinear, load_hif8
-from .writer import export_hif8, quantize_experts_param, quantize_weight
+from .source import ExportSource, export_source, quantize_experts_param, quantize_weight
+from .writer import export_hif8
 
 __all__ = [
-    "HF_EXPORT_INFO", "LAYOUT_FILE", "LAYOUT_FORMAT", "LAYOUT_VERSION", "ROLE_BUFFER", "ROLE_CODES", "ROLE_DENSE",
+    "ExportSource", "HF_EXPORT_INFO", "LAYOUT_FILE", "LAYOUT_FORMAT", "LAYOUT_VERSION", "ROLE_BUFFER", "ROLE_CODES", "ROLE_DENSE",
     "ROLE_OTHER", "ROLE_SCALE", "ROLE_SCALER", "SCALER_NAMES", "WEIGHTS_FILE", "ExportError", "HiF8ExportedLinear",
-    "checkpoint_bytes", "export_compressed_tensors", "export_hf", "export_hif8", "load_hif8", "load_qat_checkpoint", "main", "quantize_experts_param", "quantize_weight",
+    "checkpoint_bytes", "export_compressed_tensors", "export_hf", "export_hif8", "export_source", "load_hif8", "load_qat_checkpoint", "main", "quantize_experts_param", "quantize_weight",
     "read_layout",
 ]

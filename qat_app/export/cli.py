@@ -18,7 +18,8 @@ import torch
 from ..cli_errors import ProgramParser, unknown_flags_line
 from ..errors import QATError
 from ..hif8.inventory import INVENTORY_FILE, inventory_summary
-from .compressed import DEFAULT_SERVE_TARGET, FORMAT_NAME, SERVE_TARGETS, export_compressed_tensors, summary_line
+from .compressed import FORMAT_NAME, export_compressed_tensors, summary_line
+from .serve_targets import DEFAULT_SERVE_TARGET, SERVE_TARGETS
 from .hf import export_hf
 from .layout import ExportError, checkpoint_bytes
 from .qat_checkpoint import load_qat_checkpoint, run_compute_dtype, run_dtype
@@ -158,7 +159,7 @@ def _compute_dtype(module, asked: str | None) -> str | None:
     changed (the codes that differ from the ones the run trained with)."""
     from qat_app.models import resolve_dtype
 
-    from .writer import changed_codes
+    from .source import changed_codes
 
     trained, why = run_compute_dtype(module)
     if asked is None:

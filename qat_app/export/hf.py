@@ -10,13 +10,12 @@ from pathlib import Path
 
 import torch
 
-from ..hif8.experts import HiF8Experts
+from ..hif8.linear import HiF8Linear
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.patch import dequantize_model, quantized_linears
-from ..models import resolve_dtype
-from .common import StagingDir, quant_of, save_inventory, unwrap
+from .common import StagingDir, quant_of, save_inventory
 from .layout import HF_EXPORT_INFO
-from .writer import EXPERT_PARAMS, quantize_experts_param, quantize_weight
+from .source import WeightCodes, export_source
 
 log = logging.getLogger("qat_app.export")
 
@@ -43,18 +42,16 @@ def export_hf(
     """
     if weights not in ("master", "quantized"):
         raise ValueError(f"weights must be 'master' or 'quantized', got {weights!r}")
-    source = unwrap(module_or_model)
-    model, info = source.model, source.info
-    tokenizer = tokenizer if tokenizer is not None else source.tokenizer
+    source = export_source(module_or_model, tokenizer, dtype, compute_dtype)
+    model, info, tokenizer = source.model, source.info, source.tokenizer
     staging = StagingDir(out_dir, overwrite, HF_EXPORT_INFO)  # refuse an existing export before copying anything
     plain = copy.deepcopy(model)
-    cdtype = resolve_dtype(compute_dtype) if compute_dtype is not None else None
     layers = quantized_linears(plain)
     if weights == "quantized":
-        set_quantized_weights(plain, cdtype)
+        set_quantized_weights(plain, source.weights)
     count = dequantize_model(plain)
-    if dtype is not None:
-        plain.to(resolve_dtype(dtype))
+    if source.storage_dtype is not None:
+        plain.to(source.storage_dtype)
     plain.eval()
     with staging as tmp:
         plain.save_pretrained(str(tmp), safe_serialization=True)
@@ -73,23 +70,19 @@ def export_hf(
 
 
 @torch.no_grad()
-def set_quantized_weights(model, compute_dtype: torch.dtype | None = None) -> None:
-    """Every weight the QAT forward pass quantizes (``quantize_weights`` on) replaced, in place, by its fake-quantized
-    value ``decode(codes) / scale``: the weights the forward pass used (a fallen-back or switched-off weight keeps
-    its master value, as the forward does)."""
-    for _, layer in quantized_linears(model):
-        if not hasattr(layer, "weight"):  # an MoE expert's projection: done with its experts module below
-            continue
-        if layer.quantize_weights:
-            codes, scale, _ = quantize_weight(layer, compute_dtype or layer.weight.dtype)
+def set_quantized_weights(model, weights: dict[str, WeightCodes]) -> None:
+    """Every weight of ``model`` in ``weights`` (an :class:`~.source.ExportSource`'s, of this model or of the one it
+    was copied from) replaced, in place, by its fake-quantized value ``decode(codes) / scale``: the weights the
+    forward pass used (a fallen-back or switched-off weight is not there and keeps its master value, as the
+    forward does)."""
+    modules = dict(model.named_modules())
+    for key, (codes, scale, _) in weights.items():
+        owner, _, param = key.rpartition(".")
+        if isinstance(modules.get(key), HiF8Linear):
+            layer = modules[key]
             layer.weight.copy_(dequantize_codes(codes, scale, layer.recipe.format, layer.weight.dtype))
-    for module in model.modules():
-        if not isinstance(module, HiF8Experts):
-            continue
-        for param, proj_name in EXPERT_PARAMS:
-            weight = getattr(module, param)
-            if not all(proj.quantize_weights for proj in getattr(module, proj_name)):
-                continue
-            codes, scales, _ = quantize_experts_param(module, param, compute_dtype or weight.dtype)
+        else:  # an experts module's fused parameter, expert by expert
+            experts = modules[owner]
+            weight = getattr(experts, param)
             for e in range(weight.shape[0]):
-                weight[e].copy_(dequantize_codes(codes[e], scales[e], module.gate_up[0].recipe.format, weight.dtype))
+                weight[e].copy_(dequantize_codes(codes[e], scale[e], experts.gate_up[0].recipe.format, weight.dtype))

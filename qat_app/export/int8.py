@@ -17,7 +17,7 @@ import torch
 
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.linear import HiF8Linear
-from .writer import quantize_weight
+from .source import WeightCodes
 
 INT8_MAX = 127
 MAX_SHIFT = 30  # an all-zero row: any power of two holds it; this one keeps the scale a normal float32
@@ -30,11 +30,11 @@ def row_shifts(grid: torch.Tensor) -> torch.Tensor:
     return k.clamp(max=MAX_SHIFT)
 
 
-def int8_weight(name: str, layer: HiF8Linear, compute_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
-    """One linear's int8 weight and per-channel scale (+ the report's figures, and the reference the written
-    weight must dequantize to)."""
+def int8_weight(name: str, layer: HiF8Linear, weight: WeightCodes) -> tuple[dict[str, torch.Tensor], dict]:
+    """One linear's int8 weight and per-channel scale from its HiF8 ``weight`` (+ the report's figures, and the
+    reference the written weight must dequantize to)."""
     fmt, max_val = layer.format, layer.weight_scaler.max_val
-    codes, scale, _ = quantize_weight(layer, compute_dtype)
+    codes, scale = weight.codes, weight.scale
     grid = fmt.decode(codes).float()
     k = row_shifts(grid)
     shift = torch.pow(2.0, k).float()[:, None]
@@ -58,9 +58,6 @@ def int8_weight(name: str, layer: HiF8Linear, compute_dtype: torch.dtype) -> tup
     tensors = {f"{name}.weight": q.to(torch.int8).cpu(), f"{name}.weight_scale": decode_scale.contiguous().cpu()}
     return tensors, {"record": record, "exact": torch.ones_like(exact, device="cpu"), "reference": served}
 
-
-INT8_WEIGHTS = ("int8, one power-of-two step per output channel relative to the tensor's HiF8 scale (grid values "
-                "on that step exact, the smaller ones rounded; fused gate/up included)")
 
 
 def int8_totals(records: dict, scheme: str) -> dict:

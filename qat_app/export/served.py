@@ -69,9 +69,9 @@ class TextComparison:
         return math.exp(self.nll.before), math.exp(self.nll.after)
 
     @property
-    def perplexity_ratio(self) -> tuple[float, float, float]:
+    def perplexity_ratio(self) -> stats.Ratio:
         """served / trained perplexity, and its interval."""
-        return math.exp(self.nll.difference), math.exp(self.nll.low), math.exp(self.nll.high)
+        return self.nll.ratio
 
 
 @dataclass

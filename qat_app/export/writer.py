@@ -1,4 +1,5 @@
-"""The 8-bit HiF8 checkpoint writer: :func:`export_hif8` (and :func:`quantize_weight`, the codes of one weight)."""
+"""The 8-bit HiF8 checkpoint writer: :func:`export_hif8`, the source's codes and scales (:mod:`.source`) with the
+rest of the state."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,71 +20,12 @@ from ..hif8.fallback_targets import unquantized_by
 from ..hif8.linear import HiF8Linear
 from ..hif8.operand import Operand
 from ..hif8.patch import quantized_linears
-from .common import StagingDir, export_source, quant_of, same, save_inventory, save_model_files
+from .common import StagingDir, quant_of, same, save_inventory, save_model_files
 from .layout import (LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE, ROLE_OTHER,
                      ROLE_SCALE, ROLE_SCALER, WEIGHTS_FILE, ExportError, dtype_name)
+from .source import EXPERT_PARAMS, ExportSource, WeightCodes, export_source
 
 log = logging.getLogger("qat_app.export")
-
-
-class WeightCodes(NamedTuple):
-    """A weight as the QAT forward pass quantizes it."""
-
-    codes: torch.Tensor  # uint8 (``[E, ...]`` for a fused experts parameter)
-    scale: torch.Tensor  # float32, 0-d (``[E]``: one per expert)
-    dequantized: torch.Tensor  # ``decode(codes) / scale`` in the compute dtype
-
-
-@torch.no_grad()
-def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None) -> WeightCodes:
-    """The weight as the QAT forward pass quantizes it -> (uint8 codes, float32 scalar scale, dequantized).
-
-    The scale is the weight scaler's choice (:meth:`AmaxScaler.quantize`, as in training). Plain torch
-    (``fused="off"``), which is bit-identical to the compiled kernel. ``dequantized`` is in
-    ``compute_dtype`` (default: the weight's dtype) and equals ``(decode(codes) / scale).to(compute_dtype)``.
-    """
-    return _quantize_tensor(layer.weight, layer, compute_dtype or layer.weight.dtype)
-
-
-def _quantize_tensor(weight: torch.Tensor, owner, dtype: torch.dtype) -> WeightCodes:
-    """``weight`` quantized by ``owner``'s weight scaler (a HiF8Linear or an expert's projection), in plain
-    torch (dequantized in ``dtype``)."""
-    result, scale = owner.weight_scaler.quantize(weight.detach().to(dtype), owner.format, want_codes=True, fused="off")
-    return WeightCodes(result.codes, scale.detach().float().reshape(()).clone(), result.dequantized)
-
-
-# a fused experts parameter and the per-expert projections that quantize its slices
-EXPERT_PARAMS = HiF8Experts.PARAMS
-
-
-@torch.no_grad()
-def quantize_experts_param(experts: HiF8Experts, param: str, compute_dtype: torch.dtype | None = None
-                           ) -> WeightCodes:
-    """One fused parameter of an MoE experts module (``gate_up_proj`` or ``down_proj``) as the QAT forward
-    pass quantizes it, expert by expert (each with its own weight scaler) -> (uint8 codes ``[E, ...]``,
-    float32 scales ``[E]``, dequantized ``[E, ...]`` in ``compute_dtype``)."""
-    dtype = compute_dtype or getattr(experts, param).dtype
-    codes, scales, dequantized = zip(*(_quantize_tensor(weight, proj, dtype) for proj, weight in experts.projections(param)))
-    return WeightCodes(torch.stack(codes), torch.stack(scales), torch.stack(dequantized))
-
-
-@torch.no_grad()
-def changed_codes(model: nn.Module, trained: torch.dtype, other: torch.dtype) -> tuple[int, int]:
-    """(weight codes that differ when computed in ``other`` instead of ``trained``, all weight codes) over the
-    quantized matmuls of ``model`` whose weights are quantized."""
-    owners = []  # (weight, the module whose weight scaler quantizes it)
-    for module in model.modules():
-        if isinstance(module, HiF8Linear) and module.quantize_weights:
-            owners.append((module.weight, module))
-        elif isinstance(module, HiF8Experts):
-            owners += [(weight, proj) for param, _ in EXPERT_PARAMS for proj, weight in module.projections(param)
-                       if proj.quantize_weights]
-    changed = total = 0
-    for weight, owner in owners:
-        codes = _quantize_tensor(weight, owner, trained)[0]
-        changed += int((codes != _quantize_tensor(weight, owner, other)[0]).sum())
-        total += codes.numel()
-    return changed, total
 
 
 class _Tensors:
@@ -135,9 +77,9 @@ def why_dense(layer) -> str:
     return "weight quantization is off (exported inside the BF16 warmup?)"
 
 
-def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.dtype,
-               storage_dtype: torch.dtype) -> dict[str, Any]:
-    """One quantized linear: its weight as codes + scale (or dense, weight quantization off) -> its record."""
+def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.dtype, storage_dtype: torch.dtype,
+               weight: WeightCodes | None) -> dict[str, Any]:
+    """One quantized linear: its ``weight`` as codes + scale (None: dense, weight quantization off) -> its record."""
     record: dict[str, Any] = {
         "format": layer.recipe.format,
         "shape": list(layer.weight.shape),
@@ -147,12 +89,12 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
         "extra_state": layer.get_extra_state(),
         "has_history": {s: scaler.has_history for s, scaler in layer.named_scalers()},
     }
-    if not layer.quantize_weights:
+    if weight is None:
         log.warning("%s: %s: stored in %s", name, why_dense(layer), storage_dtype)
         out.add_stored(f"{name}.weight", layer.weight, storage_dtype)
         record.update(weight="dense")
         return record
-    codes, scale, dequantized = quantize_weight(layer, layer_dtype)
+    codes, scale, dequantized = weight
     check = dequantize_codes(codes, scale, layer.recipe.format, layer_dtype)
     if not same(check, dequantized):  # cannot happen: decode is exact; guards format changes
         raise ExportError(f"{name}: decode(codes)/scale does not reproduce the fake-quantized weight")
@@ -163,9 +105,10 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
 
 
 def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: torch.dtype,
-                 storage_dtype: torch.dtype) -> dict[str, Any]:
+                 storage_dtype: torch.dtype, weights: dict[str, WeightCodes]) -> dict[str, Any]:
     """One quantized MoE experts module: each fused parameter as uint8 codes ``[E, ...]`` + float32 scales
-    ``[E]`` (or dense, weight quantization off) -> its record (:func:`_experts_keys`: the state keys it stored)."""
+    ``[E]`` (from the source's ``weights``; dense where weight quantization is off) -> its record
+    (:func:`_experts_keys`: the state keys it stored)."""
     first = experts.gate_up[0]
     record: dict[str, Any] = {
         "format": first.recipe.format,
@@ -186,14 +129,13 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
                 "has_history": {s: scaler.has_history for s, scaler in proj.named_scalers()},
             }
         entry: dict[str, Any] = {"shape": list(weight.shape)}
-        switches = {bool(proj.quantize_weights) for proj in projections}
-        if switches != {True}:
+        if f"{name}.{param}" not in weights:
             off = next(proj for proj in projections if not proj.quantize_weights)
             log.warning("%s.%s: for some experts, %s: stored in %s", name, param, why_dense(off), storage_dtype)
             out.add_stored(f"{name}.{param}", weight, storage_dtype)
             entry["weight"] = "dense"
         else:
-            codes, scales, dequantized = quantize_experts_param(experts, param, layer_dtype)
+            codes, scales, dequantized = weights[f"{name}.{param}"]
             for e in range(experts.num_experts):  # cannot fail: decode is exact; guards format changes
                 if not same(dequantize_codes(codes[e], scales[e], first.recipe.format, layer_dtype), dequantized[e]):
                     raise ExportError(f"{name}.{param}[{e}]: decode(codes)/scale does not reproduce the fake-quantized weight")
@@ -276,21 +218,23 @@ def _layout(model: nn.Module, info: dict, quant: QuantConfig, out: _Tensors, sto
     }
 
 
-def _add_model_tensors(out: _Tensors, model: nn.Module, layers: list, state: dict, cdtype: torch.dtype | None,
-                       storage_dtype: torch.dtype) -> ModelTensors:
-    """Every tensor of ``model`` into ``out``: the quantized linears and experts modules as codes, then the rest of
-    the state and the non-persistent buffers."""
+def _add_model_tensors(out: _Tensors, source: ExportSource, layers: list, state: dict) -> ModelTensors:
+    """Every tensor of the source's model into ``out``: the quantized linears and experts modules as their codes,
+    then the rest of the state and the non-persistent buffers."""
+    model, cdtype, storage_dtype = source.model, source.compute_dtype, source.storage_dtype
     quantized: dict[str, dict] = {}
     layer_keys: set[str] = set()
     for name, layer in layers:
         if not isinstance(layer, HiF8Linear):  # an MoE expert's projection: stored with its experts module below
             continue
         layer_keys.update((f"{name}.weight", f"{name}._extra_state"))
-        quantized[name] = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype)
+        quantized[name] = _add_layer(out, name, layer, cdtype or layer.weight.dtype, storage_dtype,
+                                     source.weights.get(name))
     experts: dict[str, dict] = {}
     for name, module in model.named_modules():
         if isinstance(module, HiF8Experts):
-            experts[name] = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype, storage_dtype)
+            experts[name] = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype, storage_dtype,
+                                         source.weights)
             layer_keys |= _experts_keys(name, experts[name])
     scaler_owners = set(quantized) | {name for name, layer in layers if not isinstance(layer, HiF8Linear)}
     aliases = _add_state(out, state, layer_keys, scaler_owners, storage_dtype)
@@ -333,7 +277,7 @@ def export_hif8(
     state = model.state_dict()
 
     out = _Tensors()
-    stored = _add_model_tensors(out, model, layers, state, source.compute_dtype, storage_dtype)
+    stored = _add_model_tensors(out, source, layers, state)
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if not out.lossless:
         log.warning(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import NamedTuple
 
 import torch
 
@@ -38,7 +39,15 @@ def _median_rows(x: torch.Tensor) -> torch.Tensor:
     return ordered[:, k // 2] if k % 2 else (ordered[:, k // 2 - 1] + ordered[:, k // 2]) / 2
 
 
-def robust_fits(trails: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class RobustFits(NamedTuple):
+    """Per row: the Theil-Sen line and the robust spread of its residuals (:func:`robust_fits`)."""
+
+    slopes: torch.Tensor
+    intercepts: torch.Tensor
+    spreads: torch.Tensor
+
+
+def robust_fits(trails: torch.Tensor) -> RobustFits:
     """Per row of ``trails`` [m, n] (float64) against 0, 1, ..., n - 1: the Theil-Sen slope (the median of the pairwise
     slopes) and intercept (the median of value - slope k), robust to outlying points, and the robust spread of the
     residuals (1.4826 MAD). All rows at once: one fit per tensor per step would cost ~0.4 ms each in Python at 64
@@ -49,7 +58,7 @@ def robust_fits(trails: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     k = torch.arange(n, dtype=torch.float64)
     intercepts = _median_rows(trails - slopes[:, None] * k)
     spreads = 1.4826 * _median_rows((trails - (intercepts[:, None] + slopes[:, None] * k)).abs())
-    return slopes, intercepts, spreads
+    return RobustFits(slopes, intercepts, spreads)
 
 
 def extrapolate(slope: float, intercept: float, spread: float, n: int, h_clip: float, sigmas: float = 0.0,

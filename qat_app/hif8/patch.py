@@ -15,6 +15,7 @@ import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from torch import nn
 
@@ -76,13 +77,21 @@ def quantized_block_range(num_blocks: int, high_precision_layers: int) -> range:
     return range(first, last)
 
 
-def select_modules(model: nn.Module, selection: LayerSelection) -> tuple[list[tuple[str, nn.Module]], int, range]:
-    """-> (the (name, linear) pairs to quantize, the number of blocks, the quantized block range)."""
+class SelectedModules(NamedTuple):
+    """What a :class:`LayerSelection` picks out of a model."""
+
+    modules: list[tuple[str, nn.Module]]  # the (name, linear) pairs to quantize
+    num_blocks: int
+    blocks: range  # the quantized block range
+
+
+def select_modules(model: nn.Module, selection: LayerSelection) -> SelectedModules:
+    """The linears ``selection`` quantizes in ``model``, its number of blocks and the quantized block range."""
     block_regex = re.compile(selection.block_pattern)
     num_blocks = count_blocks(model, selection.block_pattern)
     if selection.filter_fn is not None:
         chosen = [(name, m) for name, m in model.named_modules() if _is_linear(m) and selection.filter_fn(m, name)]
-        return chosen, num_blocks, range(num_blocks)
+        return SelectedModules(chosen, num_blocks, range(num_blocks))
     module_regex = re.compile(selection.module_pattern)
     blocks = quantized_block_range(num_blocks, selection.high_precision_layers)
     matched, selected = [], []
@@ -99,7 +108,7 @@ def select_modules(model: nn.Module, selection: LayerSelection) -> tuple[list[tu
             "module_pattern", f"{selection.module_pattern!r} matches no linear layer of {type(model).__name__}; "
             f"linear layers look like: {linears}", sep=" ",
         )
-    return selected, num_blocks, blocks
+    return SelectedModules(selected, num_blocks, blocks)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

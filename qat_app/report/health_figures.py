@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from ..hif8.estimators import ESTIMATORS
-from ..hif8.health import TIERS, WHATIF_ALGOS
+from ..hif8.health import TIERS
 from .figures import _plt, _warmup_line
 from .health import (REAL_CLIPPED, TIER_FIGURES, WHATIF_CAVEAT, cumulative, estimator_used, health_column,
                      health_tensors_in_csv, module_kind, tensor_order, whatif_column)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import NamedTuple
 
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
@@ -44,8 +45,17 @@ def study_parser(prog: str) -> ArgumentParser:
     return parser
 
 
-def load_study(argv: list[str], prog: str = "python main.py study"):
-    """Parse and check a study (file + flags); returns (study, study file, dry_run, only)."""
+class StudyRequest(NamedTuple):
+    """A parsed and checked study command (:func:`load_study`)."""
+
+    study: Study
+    source: str  # the study file (or "<command line>")
+    dry_run: bool
+    only: list[str]  # the runs asked for (empty: all)
+
+
+def load_study(argv: list[str], prog: str = "python main.py study") -> StudyRequest:
+    """Parse and check a study (file + flags)."""
     parser = study_parser(prog)
     source = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "<command line>")
     try:
@@ -64,7 +74,7 @@ def load_study(argv: list[str], prog: str = "python main.py study"):
     for name in only:
         if name not in names:
             raise StudyError(f"--only {name}: not a run of {source} (runs: {', '.join(names)})")
-    return study, source, bool(init.dry_run), only
+    return StudyRequest(study, source, bool(init.dry_run), only)
 
 
 def main(argv: list[str] | None = None, prog: str = "python main.py study") -> int:

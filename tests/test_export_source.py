@@ -1,0 +1,67 @@
+"""One export source: every format writes the 8-bit weights an ExportSource quantized once. The source's codes
+are the weights the QAT forward uses (checked against the forward's own fake quantization), a weight whose
+quantization is off is not among them, and each export quantizes every weight exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qat_app.config import QuantConfig, quantize_model
+from qat_app.export import export_compressed_tensors, export_hf, export_hif8, source as export_source_module
+from qat_app.export.source import export_source
+from qat_app.hif8.experts import HiF8Experts
+from qat_app.hif8.fake_quant import dequantize_codes
+from qat_app.hif8.linear import HiF8Linear
+from qat_app.hif8.scaler_bank import advance_all
+from qat_app.hif8.scaling import all_scalers
+from tests._tiny_models import moe_model, tiny_qat
+
+
+def test_the_sources_weights_are_what_the_forward_quantizes():
+    model = tiny_qat(dtype=torch.float32)
+    off = model.get_submodule("model.layers.1.mlp.up_proj")
+    off.quantize_weights = False  # stored dense by every format
+    source = export_source(model, None, "float32", None)
+    linears = {name for name, m in model.named_modules() if isinstance(m, HiF8Linear)}
+    assert set(source.weights) == linears - {"model.layers.1.mlp.up_proj"}
+    for name, (codes, scale, dequantized) in source.weights.items():
+        layer = model.get_submodule(name)
+        used = layer.quantized_weight(layer.weight, layer.weight.dtype).values  # the forward's own weight operand
+        assert torch.equal(dequantized, used) and codes.dtype == torch.uint8
+        assert torch.equal(dequantize_codes(codes, scale, layer.recipe.format, torch.float32), used)
+    assert source.weights is source.weights  # quantized once, then kept
+
+
+@pytest.mark.parametrize("write", ["hif8", "hf-quantized", "compressed-tensors", "int8"])
+def test_each_format_quantizes_every_weight_once(write, tmp_path, monkeypatch):
+    model = tiny_qat(dtype=torch.float32)
+    calls = []
+    quantize = export_source_module._quantize_tensor
+    monkeypatch.setattr(export_source_module, "_quantize_tensor",
+                        lambda weight, owner, dtype: calls.append(owner) or quantize(weight, owner, dtype))
+    {"hif8": lambda: export_hif8(model, tmp_path / "out", dtype="float32"),
+     "hf-quantized": lambda: export_hf(model, tmp_path / "out", weights="quantized"),
+     "compressed-tensors": lambda: export_compressed_tensors(model, tmp_path / "out", dtype="float32"),
+     "int8": lambda: export_compressed_tensors(model, tmp_path / "out", dtype="float32", serve_target="cpu")}[write]()
+    quantized = [m for m in model.modules() if isinstance(m, HiF8Linear) and m.quantize_weights]
+    assert len(calls) == len(quantized) == 6 and {id(m) for m in calls} == {id(m) for m in quantized}
+
+
+def test_an_moe_source_holds_each_fused_parameter_expert_by_expert():
+    model = moe_model("mixtral")  # 4 blocks: blocks 1-2 quantized (experts only)
+    quantize_model(model, QuantConfig(high_precision_layers=2, fused="off", history_len=2))
+    model.train()
+    for step in range(2):
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step)))
+        advance_all(all_scalers(model))
+    source = export_source(model, None, "float32", None)
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, HiF8Experts)}
+    assert set(source.weights) == {f"{name}.{param}" for name in experts for param, _ in HiF8Experts.PARAMS}
+    for name, module in experts.items():
+        for param, _ in HiF8Experts.PARAMS:
+            codes, scales, dequantized = source.weights[f"{name}.{param}"]
+            for e, (proj, weight) in enumerate(module.projections(param)):
+                used = proj.quantized_weight(weight, weight.dtype).values  # what the forward multiplies by
+                assert torch.equal(dequantized[e], used) and scales.shape == (module.num_experts,)
