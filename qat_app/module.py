@@ -128,7 +128,7 @@ class QATModule(L.LightningModule):
     ) -> None:
         super().__init__()
         _check_training_settings(lr, lr_schedule, min_lr_ratio, lr_warmup_steps, max_consecutive_nonfinite)
-        self.quant = quant = QuantConfig.coerce(quant)  # a checkpoint's hyper-parameters hold a plain dict
+        self.quant = QuantConfig.coerce(quant)  # a checkpoint's hyper-parameters hold a plain dict
         self.distill = DistillConfig.coerce(distill)
         self.save_hyperparameters()  # the settings objects saved as plain values (_set_hparams)
         self.model, self.tokenizer = load_causal_lm(
@@ -141,7 +141,7 @@ class QATModule(L.LightningModule):
         self.teacher: Teacher | None = Teacher.build(
             self.distill.teacher, self.model, self.tokenizer, dtype=dtype, trust_remote_code=trust_remote_code
         ) if self.distill.enabled else None
-        self.quant_report: QuantReport | None = _quantize(self.model, quant) if quant.enabled else None
+        self.quant_report: QuantReport | None = _quantize(self.model, self.quant) if self.quant.enabled else None
         self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
         self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
         self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step
