@@ -27,6 +27,7 @@ from .forgetting import ForgettingMonitor, benchmark_tasks
 from .health_log import MAX_UNDERFLOW, MEDIAN_SQNR, MIN_SQNR, OPERAND_MEDIAN_SQNR, TIER_SHARE, UNDERFLOW
 from .memory import ACTIVATIONS_PEAK_MB, GRADS_MB, OPTIMIZER_MB, PARAMS_MB, PEAK_MB, RSS_MB, MemoryMonitor
 from .noise_floor import NoiseFloorCallback
+from .per_step import callback_of
 from .saturation import MAX_CLIPPED_FRAC, MEDIAN_HEADROOM, MIN_HEADROOM, AmaxSaturationCallback
 from .throughput import TokenThroughputMonitor
 
@@ -111,24 +112,19 @@ LAYOUT = {
 }
 
 
-def _callback(trainer, kind):
-    """The trainer's callback of type ``kind``, or None."""
-    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
-
-
 def _enabled(trainer, kind) -> bool:
     """Whether a callback of type ``kind`` is in the trainer, switched on."""
-    return bool(getattr(_callback(trainer, kind), "enabled", False))
+    return bool(getattr(callback_of(trainer, kind), "enabled", False))
 
 
 def _shown(trainer) -> dict[tuple[str, str | None], bool]:
     """(category, chart or None for the whole category) -> whether the run logs anything it shows."""
-    saturation = _callback(trainer, AmaxSaturationCallback)
+    saturation = callback_of(trainer, AmaxSaturationCallback)
     health = saturation is not None and saturation.health
     per_layer = saturation is not None and saturation.per_layer
     forecast = saturation is not None and saturation.forecast_on
     benchmarks = bool(benchmark_tasks(trainer.datamodule)) if getattr(trainer, "datamodule", None) else False
-    forgetting = getattr(_callback(trainer, ForgettingMonitor), "enabled", False) is not False
+    forgetting = getattr(callback_of(trainer, ForgettingMonitor), "enabled", False) is not False
     noise_floor = _enabled(trainer, NoiseFloorCallback)
     return {
         ("saturation", None): saturation is not None,
@@ -139,7 +135,7 @@ def _shown(trainer) -> dict[tuple[str, str | None], bool]:
         ("what-if estimators", None): saturation is not None,
         ("training", "spike alarms (robust z)"): _enabled(trainer, SpikeAlarm),
         ("training", "alarm events, non-finite steps"): _enabled(trainer, SpikeAlarm),
-        ("training", "throughput"): _callback(trainer, TokenThroughputMonitor) is not None,
+        ("training", "throughput"): callback_of(trainer, TokenThroughputMonitor) is not None,
         ("training", DISTILL_CHART): getattr(getattr(trainer, "lightning_module", None), "teacher", None) is not None,
         ("forgetting", None): forgetting and (benchmarks or noise_floor),
         ("memory", None): _enabled(trainer, MemoryMonitor),
@@ -170,7 +166,7 @@ def layout_for(trainer) -> dict:
 
 def benchmark_charts(trainer) -> dict:
     """One chart per benchmark task and monitored measure: its difference to the initial model with its interval."""
-    monitor = _callback(trainer, ForgettingMonitor)
+    monitor = callback_of(trainer, ForgettingMonitor)
     datamodule = getattr(trainer, "datamodule", None)
     if monitor is None or datamodule is None:
         return {}
@@ -208,7 +204,7 @@ class TensorBoardDashboard(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if not self.enabled or not trainer.is_global_zero:
             return
-        saturation = _callback(trainer, AmaxSaturationCallback)
+        saturation = callback_of(trainer, AmaxSaturationCallback)
         logged = getattr(saturation, "last_logged", None)  # the StepStats of the last step logged in full
         if logged is None or logged.step <= self._drawn_step or not self._writers(trainer):
             return

@@ -25,7 +25,7 @@ from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, check_reacha
                                    quantized_tensors, read_counters, scaler_pairs)
 from qat_app.hif8.fallback_targets import TARGET_TEXT
 
-from .per_step import PerOptimizerStep
+from .per_step import PerOptimizerStep, callback_of
 from .saturation import AmaxSaturationCallback, step_stats_of
 from .warmup import BF16WarmupCallback
 
@@ -98,8 +98,8 @@ class FallbackCallback(PerOptimizerStep):
         """The policy against the run (:func:`check_fallback`); the CLI calls it before the trainer writes anything."""
         if not self.enabled:
             return
-        saturation = next((c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)), None)
-        warmup = next((c for c in trainer.callbacks if isinstance(c, BF16WarmupCallback)), None)
+        saturation = callback_of(trainer, AmaxSaturationCallback)
+        warmup = callback_of(trainer, BF16WarmupCallback)
         quant = getattr(pl_module, "quant", None)
         check_fallback(self.policy, warmup_steps=warmup.warmup_steps if warmup is not None else 0,
                        max_steps=trainer.max_steps or -1, health=saturation is not None and saturation.health,

@@ -29,7 +29,7 @@ from qat_app.eval.kl_cache import DRIFT, KL, with_interval
 from qat_app.eval.measures import MEASURES, MeasureError, compare_records, resolve_measures, verdict
 from qat_app.eval.records import SAMPLES_DIR, read_records, records_path
 
-from .per_step import validation_log_step
+from .per_step import callback_of, validation_log_step
 from .stopping import stop_with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class ForgettingMonitor(L.Callback):
             return
         from .initial_eval import InitialEvaluationCallback
 
-        initial = next((c for c in trainer.callbacks if isinstance(c, InitialEvaluationCallback)), None)
+        initial = callback_of(trainer, InitialEvaluationCallback)
         self.active = self.check(initial, trainer.datamodule, trainer.limit_val_batches)
         if not self.active and self.enabled is None and trainer.is_global_zero and not self._off_logged:
             self._off_logged = True

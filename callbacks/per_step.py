@@ -16,6 +16,11 @@ def validation_log_step(trainer: L.Trainer) -> int:
     return getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
 
 
+def callback_of(trainer: L.Trainer, kind: type) -> L.Callback | None:
+    """The trainer's callback of type ``kind`` (the first), or None."""
+    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
+
+
 class PerOptimizerStep(L.Callback):
     """Gives :meth:`completed_step` (once per optimizer step), :meth:`logging_step` and :meth:`log_at`."""
 

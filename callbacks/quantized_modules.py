@@ -17,6 +17,7 @@ import lightning as L
 
 from qat_app.hif8.inventory import INVENTORY_FILE, inventory_lines, quantization_inventory
 
+from .per_step import callback_of
 from .warmup import BF16WarmupCallback
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class QuantizedModulesCallback(L.Callback):
         log_dir = trainer.log_dir or trainer.default_root_dir  # a collective (broadcast): on every rank
         if getattr(pl_module, "quant_report", None) is None or not trainer.is_global_zero:
             return
-        warmup = next((c for c in trainer.callbacks if isinstance(c, BF16WarmupCallback)), None)
+        warmup = callback_of(trainer, BF16WarmupCallback)
         switched_on = (None if warmup is None else
                        {"input": warmup.quantize_activations, "weight": warmup.quantize_weights, "grad": True})
         inventory = quantization_inventory(pl_module.model, pl_module.quant.selection, switched_on)

@@ -39,6 +39,7 @@ from qat_app.hif8.headroom import summary_lines as headroom_lines
 
 from .forgetting import DEFAULT_MEASURES, ForgettingMonitor, initial_records_candidates
 from .noise_floor import NoiseFloorCallback
+from .per_step import callback_of
 from .saturation import AmaxSaturationCallback
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def final_step(log_dir: str | None) -> int | None:
 
 def forgetting_lines(trainer: L.Trainer, log_dir: str | None, metrics: dict[str, float]) -> list[str]:
     """The forgetting block: initial -> final per task and measure (95 % paired interval, verdict), forget/kl."""
-    monitor = next((c for c in trainer.callbacks if isinstance(c, ForgettingMonitor)), None)
+    monitor = callback_of(trainer, ForgettingMonitor)
     initial = monitor.initial_path if monitor is not None and monitor.initial_path else None
     if not initial or not os.path.exists(initial):
         here = records_path(log_dir, "val", 0) if log_dir else None
@@ -105,7 +106,7 @@ KL_LINES = ((KL, "KL(initial || final) on held-out text"),
 
 
 def _floor_callback(trainer: L.Trainer) -> NoiseFloorCallback | None:
-    return next((c for c in trainer.callbacks if isinstance(c, NoiseFloorCallback)), None)
+    return callback_of(trainer, NoiseFloorCallback)
 
 
 def kl_lines(metrics: dict[str, float], monitor: ForgettingMonitor | None, floor: NoiseFloorCallback | None) -> list[str]:
@@ -164,7 +165,7 @@ def interval_lines(trainer: L.Trainer) -> list[str]:
     if isinstance(interval, int) and not isinstance(interval, bool):
         parts.append(f"validation every {interval / accumulate:g} optimizer steps (val_check_interval {interval} "
                      f"micro-batches / {accumulate} per step)")
-    checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+    checkpoint = callback_of(trainer, ModelCheckpoint)
     every = getattr(checkpoint, "_every_n_train_steps", 0) if checkpoint is not None else 0
     if every:
         parts.append(f"checkpoints every {every} optimizer steps")
@@ -267,7 +268,7 @@ class RunSummaryCallback(L.Callback):
             lines.append("saturation    - " + ("(no quantized layers: an unquantized run)" if unquantized else "(no totals)"))
         lines += profile_lines(trainer)
         lines.append(f"logs          {_show(log_dir)}")
-        checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+        checkpoint = callback_of(trainer, ModelCheckpoint)
         last = None
         if checkpoint is not None:
             last = checkpoint.last_model_path or checkpoint.best_model_path or None

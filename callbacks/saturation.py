@@ -31,7 +31,7 @@ from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 
 from .forecast_log import clip_headrooms, forecast_metrics, short_name
 from .health_log import HeadroomSetup, HealthLog, finite_or_none, headroom_setup
-from .per_step import PerOptimizerStep
+from .per_step import PerOptimizerStep, callback_of
 from .step_stats import COUNT_FIELDS, FIELDS, WHATIF_COUNT, StepRow, StepStats, read_step
 
 __all__ = ["COUNT_FIELDS", "FIELDS", "WHATIF_COUNT", "AmaxSaturationCallback", "HeadroomSetup", "StepRow", "StepStats",
@@ -97,7 +97,7 @@ def fallback_entries(model) -> list[dict]:
 def step_stats_of(trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> StepStats | None:
     """The run's :class:`StepStats` of optimizer step ``step``, from its saturation callback (read once per step,
     whichever callback asks first); None without that callback or a quantized tensor."""
-    saturation = next((c for c in trainer.callbacks if isinstance(c, AmaxSaturationCallback)), None)
+    saturation = callback_of(trainer, AmaxSaturationCallback)
     return saturation.step_stats(trainer, pl_module, step) if saturation is not None else None
 
 
@@ -106,9 +106,8 @@ def _fallback_stopped(pl_module: L.LightningModule) -> dict | None:
     from .fallback import FallbackCallback  # it imports this module
 
     trainer = getattr(pl_module, "_trainer", None)
-    found = (c.fallback_stopped() for c in (trainer.callbacks if trainer is not None else [])
-             if isinstance(c, FallbackCallback))
-    return next((stopped for stopped in found if stopped is not None), None)
+    fallback = callback_of(trainer, FallbackCallback) if trainer is not None else None
+    return fallback.fallback_stopped() if fallback is not None else None
 
 
 # what saturation_summary.json's figures mean (its "definition" entry)

@@ -7,11 +7,13 @@ import os
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from .per_step import callback_of
+
 
 def stop_with_checkpoint(trainer, log_dir: str | None, file_name: str) -> tuple[str, str]:
     """Save ``<ModelCheckpoint dirpath or log dir>/<file_name>`` (a collective: every rank) and stop the fit;
     returns (the checkpoint path, the command that resumes from it)."""
-    checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+    checkpoint = callback_of(trainer, ModelCheckpoint)
     directory = (checkpoint.dirpath if checkpoint is not None and checkpoint.dirpath else None) or log_dir \
         or trainer.default_root_dir
     path = os.path.join(directory, file_name)

@@ -76,7 +76,7 @@ def set_quantized_weights(model, weights: dict[str, WeightCodes]) -> None:
     forward pass used (a fallen-back or switched-off weight is not there and keeps its master value, as the
     forward does)."""
     modules = dict(model.named_modules())
-    for key, (codes, scale, _) in weights.items():
+    for key, (codes, scale) in weights.items():
         owner, _, param = key.rpartition(".")
         if isinstance(modules.get(key), HiF8Linear):
             layer = modules[key]

@@ -14,10 +14,13 @@ from torch import nn
 
 from ..hif8.experts import HiF8Experts
 from ..hif8.linear import HiF8Linear
+from ..hif8.fake_quant import dequantize_codes
 from ..models import resolve_dtype
+from .common import same
+from .layout import ExportError
 
 
-class WeightCodes(NamedTuple):
+class QuantizedWeight(NamedTuple):
     """A weight as the QAT forward pass quantizes it."""
 
     codes: torch.Tensor  # uint8 (``[E, ...]`` for a fused experts parameter)
@@ -25,8 +28,15 @@ class WeightCodes(NamedTuple):
     dequantized: torch.Tensor  # ``decode(codes) / scale`` in the compute dtype
 
 
+class WeightCodes(NamedTuple):
+    """A weight as an export stores it: ``decode(codes) / scale`` is the weight the QAT forward used."""
+
+    codes: torch.Tensor  # uint8 (``[E, ...]`` for a fused experts parameter)
+    scale: torch.Tensor  # float32, 0-d (``[E]``: one per expert)
+
+
 @torch.no_grad()
-def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None) -> WeightCodes:
+def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None) -> QuantizedWeight:
     """The weight as the QAT forward pass quantizes it -> (uint8 codes, float32 scalar scale, dequantized).
 
     The scale is the weight scaler's choice (:meth:`AmaxScaler.quantize`, as in training). Plain torch
@@ -36,11 +46,11 @@ def quantize_weight(layer: HiF8Linear, compute_dtype: torch.dtype | None = None)
     return _quantize_tensor(layer.weight, layer, compute_dtype or layer.weight.dtype)
 
 
-def _quantize_tensor(weight: torch.Tensor, owner, dtype: torch.dtype) -> WeightCodes:
+def _quantize_tensor(weight: torch.Tensor, owner, dtype: torch.dtype) -> QuantizedWeight:
     """``weight`` quantized by ``owner``'s weight scaler (a HiF8Linear or an expert's projection), in plain
     torch (dequantized in ``dtype``)."""
     result, scale = owner.weight_scaler.quantize(weight.detach().to(dtype), owner.format, want_codes=True, fused="off")
-    return WeightCodes(result.codes, scale.detach().float().reshape(()).clone(), result.dequantized)
+    return QuantizedWeight(result.codes, scale.detach().float().reshape(()).clone(), result.dequantized)
 
 
 # a fused experts parameter and the per-expert projections that quantize its slices
@@ -49,13 +59,26 @@ EXPERT_PARAMS = HiF8Experts.PARAMS
 
 @torch.no_grad()
 def quantize_experts_param(experts: HiF8Experts, param: str, compute_dtype: torch.dtype | None = None
-                           ) -> WeightCodes:
+                           ) -> QuantizedWeight:
     """One fused parameter of an MoE experts module (``gate_up_proj`` or ``down_proj``) as the QAT forward
     pass quantizes it, expert by expert (each with its own weight scaler) -> (uint8 codes ``[E, ...]``,
     float32 scales ``[E]``, dequantized ``[E, ...]`` in ``compute_dtype``)."""
     dtype = compute_dtype or getattr(experts, param).dtype
     parts = [_quantize_tensor(weight, proj, dtype) for proj, weight in experts.projections(param)]
-    return WeightCodes(*(torch.stack([getattr(p, field) for p in parts]) for field in WeightCodes._fields))
+    return QuantizedWeight(*(torch.stack([getattr(p, field) for p in parts]) for field in QuantizedWeight._fields))
+
+
+def stored_codes(key: str, weight: QuantizedWeight, fmt: str, dtype: torch.dtype) -> WeightCodes:
+    """The codes and scale an export stores of ``weight`` (the dequantized copy is not kept: up to 4 bytes per
+    parameter), once checked to reproduce it (cannot fail: decode is exact; guards format changes)."""
+    codes, scale, dequantized = weight
+    stacked = scale.dim() == 1  # an experts parameter: [E, ...] codes, one scale per expert
+    pieces = zip(codes, scale, dequantized) if stacked else ((codes, scale, dequantized),)
+    for e, (c, s, d) in enumerate(pieces):
+        if not same(dequantize_codes(c, s, fmt, dtype), d):
+            raise ExportError(f"{key}{f'[{e}]' if stacked else ''}: decode(codes)/scale does not reproduce the "
+                              "fake-quantized weight")
+    return WeightCodes(codes, scale)
 
 
 def experts_param_quantized(experts: HiF8Experts, proj_name: str) -> bool:
@@ -96,17 +119,21 @@ class ExportSource:
 
     @cached_property
     def weights(self) -> dict[str, WeightCodes]:
-        """Every weight the QAT forward quantizes, quantized once in :attr:`compute_dtype` (default: the weight's
-        own): a quantized linear's by its module name, an MoE experts module's fused parameter by
-        ``<module>.<parameter>``. A weight not here is stored dense (its switch off, or fallen back)."""
+        """Every weight the QAT forward quantizes, as codes and scales, quantized once in :attr:`compute_dtype`
+        (default: the weight's own): a quantized linear's by its module name, an MoE experts module's fused
+        parameter by ``<module>.<parameter>``. A weight not here is stored dense (its switch off, or fallen back)."""
         out: dict[str, WeightCodes] = {}
         for name, module in self.model.named_modules():
             if isinstance(module, HiF8Linear) and module.quantize_weights:
-                out[name] = quantize_weight(module, self.compute_dtype)
+                dtype = self.compute_dtype or module.weight.dtype
+                out[name] = stored_codes(name, quantize_weight(module, dtype), module.recipe.format, dtype)
             elif isinstance(module, HiF8Experts):
                 for param, proj_name in EXPERT_PARAMS:
                     if experts_param_quantized(module, proj_name):
-                        out[f"{name}.{param}"] = quantize_experts_param(module, param, self.compute_dtype)
+                        dtype = self.compute_dtype or getattr(module, param).dtype
+                        out[f"{name}.{param}"] = stored_codes(f"{name}.{param}",
+                                                              quantize_experts_param(module, param, dtype),
+                                                              module.gate_up[0].recipe.format, dtype)
         return out
 
 

@@ -15,7 +15,6 @@ from torch import nn
 
 from ..config import QuantConfig
 from ..hif8.experts import HiF8Experts
-from ..hif8.fake_quant import dequantize_codes
 from ..hif8.fallback_targets import unquantized_by
 from ..hif8.linear import HiF8Linear
 from ..hif8.operand import Operand
@@ -94,10 +93,7 @@ def _add_layer(out: _Tensors, name: str, layer: HiF8Linear, layer_dtype: torch.d
         out.add_stored(f"{name}.weight", layer.weight, storage_dtype)
         record.update(weight="dense")
         return record
-    codes, scale, dequantized = weight
-    check = dequantize_codes(codes, scale, layer.recipe.format, layer_dtype)
-    if not same(check, dequantized):  # cannot happen: decode is exact; guards format changes
-        raise ExportError(f"{name}: decode(codes)/scale does not reproduce the fake-quantized weight")
+    codes, scale = weight  # checked to reproduce the fake-quantized weight (source.stored_codes)
     out.add(f"{name}.weight.codes", codes, ROLE_CODES, layer.weight)
     out.add(f"{name}.weight.scale", scale, ROLE_SCALE)
     record.update(weight="codes", codes=f"{name}.weight.codes", scale=f"{name}.weight.scale")
@@ -135,10 +131,7 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
             out.add_stored(f"{name}.{param}", weight, storage_dtype)
             entry["weight"] = "dense"
         else:
-            codes, scales, dequantized = weights[f"{name}.{param}"]
-            for e in range(experts.num_experts):  # cannot fail: decode is exact; guards format changes
-                if not same(dequantize_codes(codes[e], scales[e], first.recipe.format, layer_dtype), dequantized[e]):
-                    raise ExportError(f"{name}.{param}[{e}]: decode(codes)/scale does not reproduce the fake-quantized weight")
+            codes, scales = weights[f"{name}.{param}"]  # checked per expert (source.stored_codes)
             out.add(f"{name}.{param}.codes", codes, ROLE_CODES, weight)
             out.add(f"{name}.{param}.scales", scales, ROLE_SCALE)
             entry.update(weight="codes", codes=f"{name}.{param}.codes", scales=f"{name}.{param}.scales")

@@ -26,8 +26,7 @@ from .counters import HEALTH, gather_columns
 from .health import FIELDS as HEALTH_FIELDS, sqnr_from_powers
 from .patch import quantized_linears
 from .operand import Operand
-from .fallback_targets import (BY_NAME, FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS,  # noqa: F401
-                               unquantized_by)
+from .fallback_targets import BY_NAME, FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, unquantized_by
 from .quantized import QuantizedMatmul
 from .sqnr_bound import gaussian_sqnr_bound
 
@@ -94,9 +93,9 @@ class FallbackPolicy:
         if self.sqnr_floor_db is not None and not BY_NAME[self.on_low_sqnr].cures_low_sqnr:
             target = BY_NAME[self.on_low_sqnr]
             raise FallbackError("on_low_sqnr", f"{target.name} cannot cure a low SQNR: {target.text} changes the "
-                                               "scale, not the format, and a tensor that does not clip keeps the SQNR its format "
-                                               "gives it (HiF8: at most 31.56 dB on a Gaussian at any scale); use "
-                                               "high_precision")
+                                               "scale, not the format, and a tensor that does not clip keeps the SQNR "
+                                               "its format gives it (HiF8: at most 31.56 dB on a Gaussian at any "
+                                               "scale); use high_precision")
         budget = self.max_tensors
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
                 0 < budget < 1 or (budget >= 1 and float(budget).is_integer()))):
@@ -324,7 +323,8 @@ def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, Operand]]) -> list[tu
     return [(operand.tensor_name(name), layer.scaler_of(operand)) for name, layer, operand in tensors]
 
 
-def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int, counters: RunCounters | None = None) -> list[dict]:
+def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int,
+                  counters: RunCounters | None = None) -> list[dict]:
     """One optimizer step of the policy on ``model`` (after the scalers advanced) on its ``counters`` (None: read
     here, :func:`read_counters`; a training loop that reads them already hands them over): update the evidence, make the
     tensors that qualify fall back to the remedy of their symptom (recording ``step``, the rule, the evidence and

@@ -64,8 +64,8 @@ def operands_quantized(layer, switched_on: Mapping[str, bool] | None = None) -> 
     now = {operand.value: getattr(layer, operand.switch_name) for operand in Operand}
     now.update(switched_on or {})
     now[Operand.GRAD.value] = bool(now[Operand.GRAD]) and layer.grad_scaler is not None
-    fell_back = {op for op, record in layer.fallback.items() if unquantized_by(record)}
-    return {operand.value: bool(now[operand]) and operand not in fell_back for operand in Operand}
+    return {operand.value: bool(now[operand]) and not unquantized_by(layer.fallback.get(operand))
+            for operand in Operand}
 
 
 def _module_entry(name, layer, block, kind, shape, switched_on) -> dict:

@@ -32,9 +32,6 @@ from .profiling import GEMM, QUANTIZE, profiled
 from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
 
-# what an operand may fall back to (:mod:`.fallback`): its scaler switches to current scaling, or it is no longer
-# quantized
-
 
 class QuantizedInput(NamedTuple):
     """The input as a quantized matmul's forward takes it (:meth:`Plan.quantize_input`)."""
@@ -74,7 +71,7 @@ class WeightCacheKey(NamedTuple):
 
 
 class WeightSource(Protocol):
-    """Stored weights a matmul runs on in evaluation (the 8-bit export's reader: :mod:`qat_app.export.exported`)."""
+    """Stored weights a matmul runs on in evaluation (the 8-bit export's reader: :mod:`qat_app.export.stored_weight`)."""
 
     def weight_operand(self, weight: torch.Tensor, dtype: torch.dtype) -> WeightQuantization | None:
         """The stored operand for ``weight`` (None: ``weight`` is not the one stored, or changed since)."""
