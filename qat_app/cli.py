@@ -245,6 +245,7 @@ EXTRA_COMMANDS = {
     "export": ("qat_app.export", "8-bit HiF8, plain HF or FP8 (compressed-tensors, vLLM) export of a QATModule checkpoint"),
     "study": ("qat_app.study", "run a study: the initial evaluation, every run of a study file, the reports"),
     "inspect": ("qat_app.inspection", "per quantized layer, HiF8 vs high-precision output SQNR; what to keep in high precision"),
+    "evaluate": ("qat_app.evaluate", "any lm-eval task on the exact W8A8 model of a checkpoint, paired against its initial model"),
 }
 
 

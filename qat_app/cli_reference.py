@@ -119,12 +119,14 @@ def command_flags(command: str) -> set[str]:
         return _lightning_flags(command)
     if command not in EXTRA_COMMANDS:
         raise KeyError(f"unknown command {command!r}")
+    from qat_app.evaluate import evaluate_parser
     from qat_app.export.cli import export_parser
     from qat_app.inspection import inspect_parser
     from qat_app.report.cli import report_parser
     from qat_app.study.cli import study_parser
 
-    parsers = {"export": export_parser, "report": report_parser, "study": study_parser, "inspect": inspect_parser}
+    parsers = {"export": export_parser, "report": report_parser, "study": study_parser, "inspect": inspect_parser,
+               "evaluate": evaluate_parser}
     own = _flags(parsers[command](command))
     # export --compare and inspect read the run's data as validate does
     return own | _lightning_flags("validate") if command in ("inspect", "export") else own

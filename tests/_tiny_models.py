@@ -21,6 +21,19 @@ def save_tiny_llama(path, tokenizer, *, hidden_size=32, intermediate_size=64, nu
     return path
 
 
+def random_llama(vocab_size: int, attention: str = "sdpa", seed: int = 0):
+    """A 2-block random Llama (hidden 32) in eval mode, for scoring tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    config._attn_implementation = attention
+    return LlamaForCausalLM(config).eval()
+
+
 def moe_model(model_type: str, *, hidden_size: int = 32, intermediate_size: int = 48, experts: int = 4,
               vocab_size: int = 64):
     """A 4-block random MoE model (``mixtral``, ``qwen2_moe`` or ``qwen3_moe``), 2 experts per token, eager experts."""

@@ -148,8 +148,9 @@ SETTING_ROWS = [
     ("gguf_file with the embedded model", ["--model.model_name", "embedded:smollm2-135m-instruct", "--model.gguf_file", "nope.gguf"],
      r"model\.gguf_file='nope\.gguf' cannot be used with model\.model_name='embedded:smollm2-135m-instruct'"),
     ("unknown embedded model", ["--model.model_name", "embedded:llama-7b"], r"unknown embedded model 'embedded:llama-7b'; known: embedded:smollm2-135m-instruct"),
-    ("benchmark task unknown", _bench(tasks=["mmlu_pro"]),
-     r"data\.benchmarks\.tasks: unknown benchmark task 'mmlu_pro'; known tasks: arc_challenge, hellaswag, mmlu \(did you mean mmlu\?\)"),
+    ("benchmark task unknown", _bench(tasks=["mmlu_proo"]),
+     r"data\.benchmarks\.tasks: unknown benchmark task 'mmlu_proo'; known tasks: arc_challenge, hellaswag, mmlu or any "
+     r"lm-eval task \(did you mean mmlu_pro\?\)"),
     ("benchmark tasks empty", _bench(tasks=[]), r"data\.benchmarks\.tasks is empty; choose from arc_challenge, hellaswag, mmlu"),
     ("benchmark task twice", _bench(tasks=["mmlu", "mmlu"]), r"data\.benchmarks\.tasks has repeats"),
     ("benchmark limit 0", _bench(tasks=["arc_challenge"], limit=0), r"data\.benchmarks\.limit for arc_challenge must be a positive integer or null \(all docs\), got 0"),

@@ -18,6 +18,7 @@ from qat_app.eval.layout import BenchmarkCollator, TokenizedExample, layout_rows
 from qat_app.eval.metric import MultipleChoiceMetric
 from qat_app.eval.mmlu import MMLU_SUBJECTS
 from tests._tiny_models import byte_level_tokenizer
+from tests._tiny_models import random_llama as tiny_llama
 
 
 class BigramLM(nn.Module):
@@ -95,18 +96,6 @@ def test_ties_resolve_to_first_choice_like_numpy_argmax():
     assert scored.pred.item() == 0 and scored.pred_norm.item() == 0
 
 
-def tiny_llama(vocab_size: int, attention: str = "sdpa", seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )
-    config._attn_implementation = attention
-    return LlamaForCausalLM(config).eval()
-
-
 def reference_loglik(model, context, continuation, max_length):
     """lm-eval's way: one unpadded sequence per (context, choice), log-softmax over all positions."""
     tokens = (context + continuation)[-(max_length + 1) :][:-1]
@@ -180,9 +169,7 @@ def test_mmlu_overall_is_weighted_by_subject_size():
     assert evaluator.compute() == {}
 
 
-def test_evaluator_rejects_unknown_and_untracked_tasks():
-    with pytest.raises(ValueError, match="unknown benchmark task"):
-        BenchmarkEvaluator(["winogrande"])
+def test_evaluator_rejects_untracked_tasks():
     evaluator = BenchmarkEvaluator(["hellaswag"])
     batch = BenchmarkCollator("arc_challenge", 0)([make_example(0, [1], [[2], [3]], gold=0)])
     with pytest.raises(ValueError, match="batch of task 'arc_challenge'"):
@@ -281,7 +268,6 @@ def test_trainer_validate_runs_every_task():
 @pytest.mark.slow
 def test_choice_logliks_match_lm_eval_hflm(embedded_tokenizer):
     """Same model, same rendered requests: our packed scores equal lm-eval HFLM's loglikelihood."""
-    pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 

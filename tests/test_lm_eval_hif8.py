@@ -13,8 +13,8 @@ from qat_app.export import export_hif8, load_hif8
 from qat_app.config import quantize_model
 from qat_app.hif8.scaling import all_scalers
 
-lm_eval_hf = pytest.importorskip("lm_eval.models.huggingface", reason="lm-eval (requirements-bench.txt) is not installed")
-from lm_eval.api.instance import Instance  # noqa: E402
+import lm_eval.models.huggingface as lm_eval_hf
+from lm_eval.api.instance import Instance
 
 
 def continuation_loglik(model, tokenizer, context: str, continuation: str) -> float:

@@ -31,7 +31,7 @@ from qat_app.eval.dataset import BenchmarkDataset, tokenize_examples
 from qat_app.eval.examples import MultipleChoiceExample, load_task_examples
 from qat_app.eval.layout import BenchmarkCollator
 from qat_app.eval.mmlu import MMLU_SUBJECT_CATEGORIES, validate_mmlu_subjects
-from qat_app.eval.tasks import TASK_NAMES, task_spec
+from qat_app.eval.tasks import TASK_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class BenchmarkDataModule(lightning.LightningDataModule):
     """Validation/test data for ARC-Challenge, HellaSwag and MMLU, one DataLoader per task.
 
     Args:
-        tasks: any of "arc_challenge", "hellaswag", "mmlu", in the order the dataloaders come.
+        tasks: "arc_challenge", "hellaswag", "mmlu" or any lm-eval multiple-choice task (its requests built by
+            lm-eval, offline on the shipped data), in the order the dataloaders come.
         tokenizer: name resolved by :func:`resolve_tokenizer`; or call :meth:`set_tokenizer`.
         num_fewshot: shots for every task, or a mapping task -> shots. MMLU takes the first n dev
             examples (up to 5); ARC/HellaSwag sample from their training split (hub only).
@@ -143,7 +144,12 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         if not tasks:
             raise ConfigError("data.benchmarks.tasks is empty; choose from " + ", ".join(TASK_NAMES))
         for task in tasks:
-            task_spec(task)
+            if not isinstance(task, str) or not task:
+                raise ConfigError(f"data.benchmarks.tasks: task names, got {task!r}")
+        if any(task not in TASK_NAMES for task in tasks):  # lm-eval's tasks: named now, built at setup
+            from qat_app.eval.harness_tasks import check_task_names
+
+            check_task_names(tasks, "data.benchmarks.tasks", TASK_NAMES)
         if len(set(tasks)) != len(tasks):
             raise ConfigError(f"data.benchmarks.tasks has repeats: {tasks}")
         if source not in ("auto", "hub", "local"):

@@ -1,4 +1,5 @@
-"""The benchmark tasks by name: ``TASK_NAMES`` and their :class:`~qat_app.eval.spec.TaskSpec` (one module each)."""
+"""The benchmark tasks with modules of their own: ``TASK_NAMES`` and their :class:`~qat_app.eval.spec.TaskSpec` (one module
+each). Any other name in ``data.benchmarks.tasks`` is an lm-eval multiple-choice task (:mod:`qat_app.eval.harness_examples`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ from qat_app.eval.spec import TaskSpec
 TASK_NAMES: tuple[str, ...] = ("arc_challenge", "hellaswag", "mmlu")
 
 TASK_SPECS: dict[str, TaskSpec] = {spec.name: spec for spec in (arc.SPEC, hellaswag.SPEC, mmlu.SPEC)}
+
+
+def is_builtin(task: str) -> bool:
+    """A task with a module of its own here; any other name is an lm-eval task (:mod:`qat_app.eval.harness_examples`)."""
+    return task in TASK_SPECS
 
 
 def task_spec(task: str) -> TaskSpec:

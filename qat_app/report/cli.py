@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None, prog: str = "python main.py report") -> 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         report = build_report(args.baseline, args.qat, args.out, args.labels, args.layers, args.benchmarks,
-                              args.ape_from_step, args.initial, args.force, args.resamples, args.seed)
+                              args.ape_from_step, args.initial, args.force, args.resamples, args.seed,
+                              args.evaluations)
     except (ReportError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -46,4 +47,6 @@ def report_parser(prog: str) -> ProgramParser:
     parser.add_argument("--force", action="store_true", help="report runs whose configs or steps do not match (with a warning)")
     parser.add_argument("--resamples", type=int, default=stats.DEFAULT_RESAMPLES, help="bootstrap resamples (default 10000)")
     parser.add_argument("--seed", type=int, default=stats.DEFAULT_SEED, help="bootstrap seed (default 0)")
+    parser.add_argument("--evaluations", nargs="+", default=None, metavar="DIR",
+                        help="output directories of `main.py evaluate` whose paired lm-eval tables are added")
     return parser

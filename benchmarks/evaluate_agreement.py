@@ -1,0 +1,111 @@
+"""``main.py evaluate`` against lm-eval itself, on a checkpoint's exact W8A8 model: agreement and cost.
+
+The same model object (the checkpoint's QAT model, HiF8 linears at their delayed scales) is scored twice, one
+after the other in this process:
+
+* ``evaluate``'s path: :func:`qat_app.eval.harness_tasks.resolve_tasks` (lm-eval's own task YAMLs pointed at the
+  shipped data) and :func:`qat_app.evaluate.run_harness`;
+* lm-eval by hand: ``simple_evaluate`` with an ``HFLM`` over the model object, on the task YAMLs that
+  ``benchmarks/lm_eval_compare.py`` writes independently (``local_arc_challenge``, ``local_hellaswag``,
+  ``local_mmlu_<subject>``).
+
+Per task: documents, how many per-choice log-likelihoods are bit-identical and the largest difference, how many
+``acc`` / ``acc_norm`` values agree, and documents per second of each path at the same batch size.
+
+    python benchmarks/evaluate_agreement.py --ckpt_path runs/quickstart/checkpoints/last.ckpt --limit 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lm_eval_compare import write_lm_eval_tasks  # noqa: E402
+
+from qat_app.eval.harness_tasks import resolve_tasks  # noqa: E402
+from qat_app.evaluate import load_evaluated, run_harness  # noqa: E402
+
+
+def reference(evaluated, subjects: list[str], limit: int, batch_size: int) -> tuple[dict, float]:
+    """lm-eval's simple_evaluate with an HFLM over the model object -> ({our task name: samples}, seconds)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory() as directory:
+        names = write_lm_eval_tasks(Path(directory), subjects, 0)
+        lm = HFLM(pretrained=evaluated.model, tokenizer=evaluated.tokenizer, batch_size=batch_size)
+        started = time.perf_counter()
+        output = simple_evaluate(model=lm, tasks=list(names.values()), task_manager=TaskManager(include_path=directory),
+                                 limit=limit, log_samples=True, bootstrap_iters=0)
+        seconds = time.perf_counter() - started
+    ours = {key: f"mmlu_{key.split('/')[1]}" if key.startswith("mmlu/") else key for key in names}
+    return {ours[key]: output["samples"][name] for key, name in names.items()}, seconds
+
+
+def compare(task: str, ours: list[dict], theirs: list[dict]) -> dict:
+    a, b = {s["doc_id"]: s for s in ours}, {s["doc_id"]: s for s in theirs}
+    if set(a) != set(b):
+        raise RuntimeError(f"{task}: different documents ({len(a)} vs {len(b)})")
+    choices = identical = acc = acc_norm = 0
+    worst = 0.0
+    for doc_id, x in a.items():
+        y = b[doc_id]
+        lls_x = [float(r[0][0]) for r in x["resps"]]
+        lls_y = [float(r[0][0]) for r in y["resps"]]
+        choices += len(lls_x)
+        identical += sum(u == v for u, v in zip(lls_x, lls_y, strict=True))
+        worst = max(worst, max(abs(u - v) for u, v in zip(lls_x, lls_y)))
+        acc += x["acc"] == y["acc"]
+        acc_norm += x.get("acc_norm") == y.get("acc_norm")
+    return {"task": task, "documents": len(a), "choices": choices, "identical_logliks": identical,
+            "max_abs_loglik_diff": worst, "same_acc": acc, "same_acc_norm": acc_norm}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt_path", default="runs/quickstart/checkpoints/last.ckpt")
+    parser.add_argument("--limit", type=int, default=100, help="documents per task")
+    parser.add_argument("--mmlu_subjects", default="anatomy,high_school_geography")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--output", default="outputs/evaluate_agreement.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    subjects = args.mmlu_subjects.split(",")
+    evaluated = load_evaluated(args.ckpt_path, "cpu", "float32", False)
+    tasks = ["arc_challenge", "hellaswag", *(f"mmlu_{s}" for s in subjects)]
+    with tempfile.TemporaryDirectory() as directory:
+        resolved = resolve_tasks(tasks, directory, "local")
+        options = SimpleNamespace(tasks=tasks, limit=args.limit, num_fewshot=None, batch_size=args.batch_size,
+                                  max_length=None, bootstrap_iters=0, apply_chat_template=False, gen_kwargs=None)
+        ours, ours_seconds = run_harness(evaluated, resolved, options)
+    theirs, their_seconds = reference(evaluated, subjects, args.limit, args.batch_size)
+    rows = [compare(task, ours["samples"][task], theirs[task]) for task in tasks]
+    documents = sum(row["documents"] for row in rows)
+    print(f"{'task':<30} {'docs':>5} {'identical logliks':>18} {'max|dll|':>9} {'same acc':>9} {'same acc_norm':>13}")
+    for row in rows:
+        print(f"{row['task']:<30} {row['documents']:>5} {row['identical_logliks']:>8}/{row['choices']:<9} "
+              f"{row['max_abs_loglik_diff']:>9.2e} {row['same_acc']:>4}/{row['documents']:<4} "
+              f"{row['same_acc_norm']:>6}/{row['documents']:<6}")
+    print(f"cost: evaluate {documents / ours_seconds:.2f} documents/s ({ours_seconds:.1f} s), lm-eval's HFLM "
+          f"{documents / their_seconds:.2f} documents/s ({their_seconds:.1f} s): ratio {their_seconds / ours_seconds:.3f} "
+          f"(batch size {args.batch_size}, {documents} documents)")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"args": vars(args), "rows": rows, "evaluate_seconds": ours_seconds,
+                                             "lm_eval_seconds": their_seconds}, indent=2))
+    agree = all(row["identical_logliks"] == row["choices"] and row["same_acc"] == row["documents"] for row in rows)
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Two lm-eval evaluations of the same documents, paired: per task and metric the mean difference with its 95 %
+interval, a p-value and n, beside the noise floor of the W8A8 arithmetic.
+
+lm-eval's per-sample logs (``log_samples``) carry each document's metric values, its ``doc_hash`` and its
+``prompt_hash``. Documents are paired by ``(doc_id, filter)`` and must carry the same hashes on both sides (the
+same document under the same prompt), else :class:`PairingError` names the task. A metric is paired when every
+sample has a number for it (``acc``, ``acc_norm``, ``exact_match``, ...); corpus-level metrics whose per-sample
+value is a tuple (``word_perplexity``, ``bleu``) are listed as not paired. For 0/1 metrics the p-value is McNemar's
+exact test on the discordant pairs, else the normal test of the paired mean (:func:`qat_app.stats.paired_difference`).
+
+The floor (:func:`floor_of`): the same model evaluated with its inputs perturbed at a float rounding's size
+(:func:`qat_app.eval.noise_floor.perturbed_inputs`), paired against itself: the largest |bound| over the seeds is
+how much the arithmetic alone moves each metric; a difference inside it is not evidence of a change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from .. import stats
+from ..errors import QATError
+
+Samples = Mapping[str, Sequence[Mapping]]  # task -> lm-eval's logged samples
+
+
+class PairingError(QATError):
+    """Two evaluations that did not score the same documents under the same prompts."""
+
+
+@dataclass(frozen=True)
+class PairedMetric:
+    """One task's metric, paired: ``result.difference`` is mean(after) - mean(before) over ``result.n`` documents."""
+
+    task: str
+    metric: str
+    filter: str
+    result: stats.PairedResult
+    p_value: float
+    higher_is_better: bool | None
+    floor: float | None = None  # the largest |bound| of the perturbed model against itself (None: not measured)
+
+    @property
+    def verdict(self) -> str:
+        """``worse`` / ``better`` (the interval excludes 0), else ``within noise``; a resolved difference whose
+        interval lies inside the floor is ``inside the noise floor``: the arithmetic alone moves it that far."""
+        words = stats.verdict(self.result.interval, self.higher_is_better is not False)
+        if words in ("worse", "better") and self.floor is not None:
+            if max(abs(self.result.low), abs(self.result.high)) <= self.floor:
+                return "inside the noise floor"
+        return words
+
+    def to_dict(self) -> dict:
+        return {"task": self.task, "metric": self.metric, "filter": self.filter, "p_value": self.p_value,
+                "higher_is_better": self.higher_is_better, "noise_floor": self.floor, "verdict": self.verdict,
+                **stats.jsonable(self.result)}
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def p_value(result: stats.PairedResult) -> float:
+    """McNemar's exact p for 0/1 outcomes, else the two-sided normal p of z (1 for an exact 0 difference)."""
+    if result.mcnemar_p is not None:
+        return result.mcnemar_p
+    if math.isnan(result.z):
+        return math.nan
+    return 2.0 * (1.0 - NormalDist().cdf(abs(result.z))) if math.isfinite(result.z) else 0.0
+
+
+def _keyed(samples: Sequence[Mapping]) -> dict[tuple, Mapping]:
+    return {(s["doc_id"], s.get("filter", "none")): s for s in samples}
+
+
+def paired_values(task: str, before: Sequence[Mapping], after: Sequence[Mapping]) -> dict[tuple[str, str], tuple]:
+    """{(metric, filter): (before values, after values)} over the documents both scored (checked identical)."""
+    a, b = _keyed(before), _keyed(after)
+    if set(a) != set(b):
+        only = sorted(set(a) ^ set(b))[:3]
+        raise PairingError(f"{task}: the two evaluations scored different documents ({len(set(a) ^ set(b))} "
+                           f"unpaired, e.g. {only}): run both with the same --limit")
+    pairs: dict[tuple[str, str], tuple[list, list]] = {}
+    skipped: set[tuple[str, str]] = set()
+    for key in sorted(a, key=lambda k: (str(k[1]), k[0])):
+        x, y = a[key], b[key]
+        for field in ("doc_hash", "prompt_hash"):
+            if x.get(field) != y.get(field):
+                raise PairingError(f"{task}: document {key[0]} differs between the two evaluations ({field}): "
+                                   "the same task under another prompt or data")
+        for metric in x.get("metrics", ()):
+            slot = (metric, key[1])
+            u, v = _number(x.get(metric)), _number(y.get(metric))
+            if u is None or v is None:
+                skipped.add(slot)
+                continue
+            pairs.setdefault(slot, ([], []))
+            pairs[slot][0].append(u)
+            pairs[slot][1].append(v)
+    return {slot: values for slot, values in pairs.items() if slot not in skipped}
+
+
+def pair(before: Samples, after: Samples, higher_is_better: Mapping[str, Mapping[str, bool]] | None = None,
+         floors: Mapping[tuple[str, str, str], float] | None = None) -> list[PairedMetric]:
+    """Every (task, metric, filter) both evaluations logged, as a :class:`PairedMetric` (after - before)."""
+    missing = sorted(set(before) ^ set(after))
+    if missing:
+        raise PairingError(f"the two evaluations ran different tasks ({', '.join(missing)} in one only)")
+    rows = []
+    for task in sorted(before):
+        for (metric, filter_key), (u, v) in paired_values(task, before[task], after[task]).items():
+            result = stats.paired_difference(u, v)
+            better = (higher_is_better or {}).get(task, {}).get(metric)
+            rows.append(PairedMetric(task, metric, filter_key, result, p_value(result), better,
+                                     (floors or {}).get((task, metric, filter_key))))
+    return rows
+
+
+def floor_of(reference: Samples, perturbed_runs: Sequence[Samples]) -> dict[tuple[str, str, str], float]:
+    """(task, metric, filter) -> the largest |bound| of the perturbed model against itself over the seeds."""
+    floors: dict[tuple[str, str, str], float] = {}
+    for perturbed in perturbed_runs:
+        for row in pair(reference, perturbed):
+            bound = max(abs(row.result.low), abs(row.result.high), abs(row.result.difference))
+            if math.isnan(bound):
+                bound = abs(row.result.difference)
+            key = (row.task, row.metric, row.filter)
+            floors[key] = max(floors.get(key, 0.0), bound)
+    return floors
+
+
+def summed(rows: Sequence[PairedMetric], metric: str) -> stats.PairedResult | None:
+    """The difference of ``metric`` summed over tasks (each task's mean difference added), with its standard error
+    (the tasks' documents are independent: variances add). None when no task has the metric."""
+    chosen = [r for r in rows if r.metric == metric]
+    if not chosen:
+        return None
+    total = sum(r.result.difference for r in chosen)
+    se = math.sqrt(sum(r.result.se ** 2 for r in chosen if math.isfinite(r.result.se)))
+    z_level = stats.normal_quantile(stats.CONFIDENCE)
+    z = total / se if se > 0 else math.nan
+    return stats.PairedResult(total, se, total - z_level * se, total + z_level * se, sum(r.result.n for r in chosen),
+                              sum(r.result.n_clusters for r in chosen), z)
