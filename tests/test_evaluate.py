@@ -18,6 +18,7 @@ TASKS = "arc_challenge,boolq,nq_open"
 
 
 # ------------------------------------------------------------------------------------------ offline task data
+@pytest.mark.slow
 def test_offline_tasks_are_lm_evals_own_definitions_on_the_shipped_copies(tmp_path):
     resolved = resolve_tasks(["arc_challenge", "boolq", "mmlu_anatomy"], tmp_path, "local")
     assert resolved.offline and resolved.leaves == ["arc_challenge", "boolq", "mmlu_anatomy"]
@@ -41,6 +42,7 @@ def test_offline_tasks_are_lm_evals_own_definitions_on_the_shipped_copies(tmp_pa
     assert len(list(mmlu.eval_docs)) == 135 and len(mmlu.fewshot_docs()) == 5  # test split, few-shot from dev
 
 
+@pytest.mark.slow
 def test_an_unknown_task_and_a_task_without_offline_data_are_named(tmp_path):
     with pytest.raises(TaskError, match=r"--tasks: unknown lm-eval task 'arc_challeng' \(did you mean arc_challenge\?\)"):
         resolve_tasks(["arc_challeng"], tmp_path, "local")
@@ -49,6 +51,7 @@ def test_an_unknown_task_and_a_task_without_offline_data_are_named(tmp_path):
     assert "\n" not in str(err.value) and "arc_easy" in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_group_expands_to_its_shipped_leaves(tmp_path):
     resolved = resolve_tasks(["mmlu"], tmp_path, "local")
     assert len(resolved.leaves) == 57 and all(leaf.startswith("mmlu_") for leaf in resolved.leaves)
