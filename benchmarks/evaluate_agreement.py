@@ -9,8 +9,9 @@ after the other in this process:
   ``benchmarks/lm_eval_compare.py`` writes independently (``local_arc_challenge``, ``local_hellaswag``,
   ``local_mmlu_<subject>``).
 
-Per task: documents, how many per-choice log-likelihoods are bit-identical and the largest difference, how many
-``acc`` / ``acc_norm`` values agree, and documents per second of each path at the same batch size.
+Per task: documents, how many per-choice log-likelihoods are bit-identical and the largest difference
+(:func:`qat_app.eval.harness_pairing.loglik_agreement`), how many ``acc`` / ``acc_norm`` values agree, and
+documents per second of each path at the same batch size.
 
     python benchmarks/evaluate_agreement.py --ckpt_path runs/quickstart/checkpoints/last.ckpt --limit 100
 """
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lm_eval_compare import write_lm_eval_tasks  # noqa: E402
 
+from qat_app.eval.harness_pairing import loglik_agreement, pair  # noqa: E402
 from qat_app.eval.harness_tasks import resolve_tasks  # noqa: E402
 from qat_app.evaluate import load_evaluated, run_harness  # noqa: E402
 
@@ -53,25 +55,6 @@ def reference(evaluated, subjects: list[str], limit: int, batch_size: int) -> tu
     return {ours[key]: output["samples"][name] for key, name in names.items()}, seconds
 
 
-def compare(task: str, ours: list[dict], theirs: list[dict]) -> dict:
-    a, b = {s["doc_id"]: s for s in ours}, {s["doc_id"]: s for s in theirs}
-    if set(a) != set(b):
-        raise RuntimeError(f"{task}: different documents ({len(a)} vs {len(b)})")
-    choices = identical = acc = acc_norm = 0
-    worst = 0.0
-    for doc_id, x in a.items():
-        y = b[doc_id]
-        lls_x = [float(r[0][0]) for r in x["resps"]]
-        lls_y = [float(r[0][0]) for r in y["resps"]]
-        choices += len(lls_x)
-        identical += sum(u == v for u, v in zip(lls_x, lls_y, strict=True))
-        worst = max(worst, max(abs(u - v) for u, v in zip(lls_x, lls_y)))
-        acc += x["acc"] == y["acc"]
-        acc_norm += x.get("acc_norm") == y.get("acc_norm")
-    return {"task": task, "documents": len(a), "choices": choices, "identical_logliks": identical,
-            "max_abs_loglik_diff": worst, "same_acc": acc, "same_acc_norm": acc_norm}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt_path", default="runs/quickstart/checkpoints/last.ckpt")
@@ -90,12 +73,19 @@ def main(argv: list[str] | None = None) -> int:
                                   max_length=None, bootstrap_iters=0, apply_chat_template=False, gen_kwargs=None)
         ours, ours_seconds = run_harness(evaluated, resolved, options)
     theirs, their_seconds = reference(evaluated, subjects, args.limit, args.batch_size)
-    rows = [compare(task, ours["samples"][task], theirs[task]) for task in tasks]
+    agreement = loglik_agreement(ours["samples"], theirs)
+    rows = []
+    for task in tasks:
+        row = {"task": task, **agreement[task]}
+        for metric in ("acc", "acc_norm"):  # the same documents: paired() refuses others
+            (paired,) = [r for r in pair({task: theirs[task]}, {task: ours["samples"][task]}) if r.metric == metric]
+            row[f"same_{metric}"] = paired.result.n - (paired.result.right_to_wrong + paired.result.wrong_to_right)
+        rows.append(row)
     documents = sum(row["documents"] for row in rows)
     print(f"{'task':<30} {'docs':>5} {'identical logliks':>18} {'max|dll|':>9} {'same acc':>9} {'same acc_norm':>13}")
     for row in rows:
-        print(f"{row['task']:<30} {row['documents']:>5} {row['identical_logliks']:>8}/{row['choices']:<9} "
-              f"{row['max_abs_loglik_diff']:>9.2e} {row['same_acc']:>4}/{row['documents']:<4} "
+        print(f"{row['task']:<30} {row['documents']:>5} {row['identical']:>8}/{row['requests']:<9} "
+              f"{row['max_abs_diff']:>9.2e} {row['same_acc']:>4}/{row['documents']:<4} "
               f"{row['same_acc_norm']:>6}/{row['documents']:<6}")
     print(f"cost: evaluate {documents / ours_seconds:.2f} documents/s ({ours_seconds:.1f} s), lm-eval's HFLM "
           f"{documents / their_seconds:.2f} documents/s ({their_seconds:.1f} s): ratio {their_seconds / ours_seconds:.3f} "
@@ -103,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"args": vars(args), "rows": rows, "evaluate_seconds": ours_seconds,
                                              "lm_eval_seconds": their_seconds}, indent=2))
-    agree = all(row["identical_logliks"] == row["choices"] and row["same_acc"] == row["documents"] for row in rows)
+    agree = all(row["identical"] == row["requests"] and row["same_acc"] == row["documents"] for row in rows)
     return 0 if agree else 1
 
 

@@ -338,6 +338,7 @@ def evaluate(args) -> dict:
         rows = pairing.pair(model.samples, served.samples, model.higher_is_better, model.floors)
         summary["served"] = {"export": args.served, "label": served.label, "kernels": kernels,
                              "results": served.results, "paired": [row.to_dict() for row in rows],
+                             "logliks": pairing.loglik_agreement(model.samples, served.samples),
                              "summed": {metric: _jsonable(pairing.summed(rows, metric))
                                         for metric in sorted({r.metric for r in rows})},
                              "cost": {"seconds": served.seconds, "documents": _documents(served.samples)}}

@@ -100,6 +100,17 @@ def test_pairing_refuses_other_documents_or_prompts_and_reads_the_floor():
     assert total.se == pytest.approx(math.sqrt(2) * row.result.se)
 
 
+def test_loglik_agreement_counts_identical_logliks_and_choices():
+    def logged(values):
+        return [{"doc_id": i, "filter": "none", "resps": [[[str(v), "False"]] for v in lls]}  # as written to disk
+                for i, lls in enumerate(values)]
+
+    before = {"t": logged([[-1.0, -2.0], [-3.0, -0.5]]), "g": [{"doc_id": 0, "resps": [["a text"]]}]}
+    after = {"t": logged([[-1.0, -2.5], [-0.4, -0.5]]), "g": [{"doc_id": 0, "resps": [["a text"]]}]}
+    assert pairing.loglik_agreement(before, after) == {
+        "t": {"documents": 2, "requests": 4, "identical": 2, "max_abs_diff": 2.6, "same_choice": 1}}
+
+
 # ------------------------------------------------------------------------------------------ generation drift
 def test_generation_drift_is_zero_against_itself_and_follows_the_references_greedy_text(tiny_llama):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401

@@ -147,3 +147,35 @@ def summed(rows: Sequence[PairedMetric], metric: str) -> stats.PairedResult | No
     z = total / se if se > 0 else math.nan
     return stats.PairedResult(total, se, total - z_level * se, total + z_level * se, sum(r.result.n for r in chosen),
                               sum(r.result.n_clusters for r in chosen), z)
+
+
+def _logliks(sample: Mapping) -> list[float] | None:
+    """A log-likelihood sample's per-request log-likelihoods (lm-eval's ``resps``: ``[[(ll, is_greedy)], ...]``,
+    strings once written), or None for another request type."""
+    try:
+        return [float(response[0][0]) for response in sample["resps"]]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def loglik_agreement(before: Samples, after: Samples) -> dict[str, dict]:
+    """Per log-likelihood task: documents, requests, how many log-likelihoods are identical, the largest
+    difference, and how many documents pick the same choice (argmax of the log-likelihood)."""
+    rows = {}
+    for task in sorted(set(before) & set(after)):
+        a, b = _keyed(before[task]), _keyed(after[task])
+        documents = requests = identical = same_choice = 0
+        worst = 0.0
+        for key in sorted(set(a) & set(b)):
+            x, y = _logliks(a[key]), _logliks(b[key])
+            if not x or not y or len(x) != len(y):
+                continue
+            documents += 1
+            requests += len(x)
+            identical += sum(u == v for u, v in zip(x, y))
+            worst = max(worst, max(abs(u - v) for u, v in zip(x, y)))
+            same_choice += max(range(len(x)), key=x.__getitem__) == max(range(len(y)), key=y.__getitem__)
+        if documents:
+            rows[task] = {"documents": documents, "requests": requests, "identical": identical,
+                          "max_abs_diff": worst, "same_choice": same_choice}
+    return rows

@@ -56,6 +56,10 @@ def render_evaluation(summary: dict) -> str:
         lines += ["", *_paired_table(f"### {served['label']} against the trained model {summary['model']}",
                                      served["paired"], served["summed"], ("served", "trained"))]
         lines.append(f"- served linear kernels: {', '.join(sorted(set(served['kernels'].values()))) or 'not logged'}")
+        for task, row in (served.get("logliks") or {}).items():
+            lines.append(f"- {task}: {row['same_choice']}/{row['documents']} documents pick the same choice, largest "
+                         f"|log-likelihood difference| {row['max_abs_diff']:.3g} ({row['identical']}/{row['requests']} "
+                         "identical)")
     notes = sorted({note for note in (summary.get("data") or {}).values() if "not shipped" in note})
     lines += [f"- data: {note}" for note in notes]
     return "\n".join(lines)
