@@ -131,3 +131,17 @@ def save_qat_checkpoint(path, model_dir, precision: str = "32-true"):
     module.trainer = trainer
     trainer.save_checkpoint(path)
     return path
+
+
+def write_sharded(ckpt: dict, directory) -> None:
+    """``ckpt`` as Lightning's ModelParallelStrategy saves it: ``state_dict`` through DCP (one process here),
+    the rest in ``meta.pt``."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from qat_app.sharded_checkpoint import LIGHTNING_META_FILE
+
+    rest = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
+    dcp.save({"state_dict": ckpt["state_dict"]}, checkpoint_id=str(directory), no_dist=True)
+    torch.save(rest, os.path.join(directory, LIGHTNING_META_FILE))

@@ -20,20 +20,10 @@ from qat_app.sharded_checkpoint import LIGHTNING_META_FILE
 from qat_app.errors import CheckpointError, UnsafeFileError
 from qat_app.export import WEIGHTS_FILE, load_qat_checkpoint
 from qat_app.export import main as export_main
-from tests._tiny_models import save_qat_checkpoint
+from tests._tiny_models import save_qat_checkpoint, write_sharded
 
 FALLBACK = {"target": "current", "step": 3, "reason": "saturation", "evidence": "5 events in 8 steps"}
 LAYER = "model.model.layers.1.mlp.up_proj"
-
-
-def write_sharded(ckpt: dict, directory) -> None:
-    """``ckpt`` as Lightning's ModelParallelStrategy saves it: ``state_dict`` through DCP (one process here),
-    the rest in ``meta.pt``."""
-    import torch.distributed.checkpoint as dcp
-
-    rest = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
-    dcp.save({"state_dict": ckpt["state_dict"]}, checkpoint_id=str(directory), no_dist=True)
-    torch.save(rest, os.path.join(directory, LIGHTNING_META_FILE))
 
 
 @pytest.fixture(scope="module")

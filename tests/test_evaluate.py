@@ -316,6 +316,20 @@ def test_the_report_takes_the_evaluation_beside_the_in_loop_benchmarks(evaluated
     assert f"--evaluations: {tmp_path / 'evaluate.json'} not found" in capsys.readouterr().err
 
 
+def test_a_sharded_checkpoint_is_the_same_w8a8_model_as_its_file(tmp_path, tiny_model_dir):
+    from qat_app.evaluate import load_evaluated
+    from tests._tiny_models import save_qat_checkpoint, write_sharded
+
+    file = save_qat_checkpoint(tmp_path / "m.ckpt", tiny_model_dir, precision="bf16-mixed")
+    write_sharded(torch.load(file, weights_only=True), tmp_path / "m_dir")
+    a, b = (load_evaluated(str(path), "cpu", "float32", False) for path in (file, tmp_path / "m_dir"))
+    assert a.quantized and b.quantized and a.precision == b.precision == "bf16-mixed"
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), a.forward_context()():
+        assert torch.equal(a.model(input_ids=ids).logits, b.model(input_ids=ids).logits)
+    assert a.base == b.base == {"model_name": str(tiny_model_dir), "gguf_file": None, "dtype": "float32"}
+
+
 def test_the_runs_precision_is_the_evaluations(tiny_llama):
     from qat_app.evaluate import Evaluated, in_run_precision
 
