@@ -234,7 +234,13 @@ def resolve_tasks(names: Sequence[str], directory: str | Path, data: str = "auto
         fields, notes[leaf] = override(leaf, cfg, Path(entry.yaml_path), dataset, root, num_fewshot, where)
         (directory / f"{leaf}.yaml").write_text(yaml.safe_dump(fields, sort_keys=False))
     logging.getLogger("lm_eval.tasks._index").setLevel(logging.ERROR)  # "overrides existing task": that is the point
-    return OfflineTasks(TaskManager(include_path=str(directory)), leaves, True, notes, directory)
+    # leaves alone need only their overrides (indexing lm-eval's thousands of YAMLs again takes seconds); a group
+    # or tag is lm-eval's own definition over them
+    from lm_eval.tasks._index import Kind
+
+    groups = any(index[name].kind in (Kind.GROUP, Kind.TAG) for name in names)
+    manager = TaskManager(include_path=str(directory), include_defaults=groups)
+    return OfflineTasks(manager, leaves, True, notes, directory)
 
 
 def _summarise(names: Iterable[str]) -> str:
