@@ -320,6 +320,7 @@ def evaluate(args) -> dict:
         rows = pairing.pair(baseline.samples, model.samples, model.higher_is_better, model.floors)
         summary["paired"] = [row.to_dict() for row in rows]
         summary["summed"] = {metric: _jsonable(pairing.summed(rows, metric)) for metric in sorted({r.metric for r in rows})}
+        summary["measures"] = continuous_measures(baseline.samples, model.samples)
         reference = models["baseline"]
         if reference is None and baseline.directory is not None and args.drift_prompts > 0 and models["model"]:
             reference = load_evaluated(baseline.label, args.device, args.dtype, args.trust_remote_code)
@@ -344,6 +345,27 @@ def evaluate(args) -> dict:
                              "cost": {"seconds": served.seconds, "documents": _documents(served.samples)}}
     (out / EVALUATION_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+CONTINUOUS_MEASURES = ("p_gold", "p_gold_norm", "brier", "kl_choices")
+
+
+def continuous_measures(before: dict, after: dict) -> dict:
+    """Per multiple-choice task, the continuous measures of :mod:`qat_app.eval.measures` (more power than an
+    accuracy over the same documents), paired before -> after; {} when no task is multiple-choice."""
+    from .eval import harness_pairing as pairing
+    from .eval.measures import compare_records
+
+    before_rows, after_rows = pairing.record_rows(before), pairing.record_rows(after)
+    if not before_rows or not after_rows:
+        return {}
+    compared = compare_records(before_rows, after_rows, CONTINUOUS_MEASURES)
+    measures = {task: {measure: _jsonable(result) for measure, result in results.items()}
+                for task, results in compared.items()}
+    measures["summed over tasks"] = {measure: _jsonable(pairing.sum_of([r[measure] for r in compared.values()
+                                                                         if measure in r]))
+                                     for measure in CONTINUOUS_MEASURES}
+    return measures
 
 
 def _jsonable(result):

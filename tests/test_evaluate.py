@@ -111,6 +111,23 @@ def test_loglik_agreement_counts_identical_logliks_and_choices():
         "t": {"documents": 2, "requests": 4, "identical": 2, "max_abs_diff": 2.6, "same_choice": 1}}
 
 
+def test_multiple_choice_samples_become_records_with_continuous_measures():
+    from qat_app.evaluate import continuous_measures
+
+    def logged(lls, target="1"):
+        return {"doc_id": 0, "filter": "none", "target": target, "acc": 1.0, "acc_norm": 1.0,
+                "arguments": {f"gen_args_{i}": {"arg_0": "Q?", "arg_1": f" choice{i}{'x' * i}"} for i in range(2)},
+                "resps": [[[str(v), "False"]] for v in lls]}
+
+    (row,) = pairing.record_rows({"t": [logged([-2.0, -1.0])], "g": [{"doc_id": 0, "resps": [["text"]]}]})
+    assert row["gold"] == 1 and row["loglik"] == [-2.0, -1.0] and row["choice_chars"] == [7, 8]
+    measures = continuous_measures({"t": [logged([-2.0, -1.0])]}, {"t": [logged([-2.0, -0.5])]})
+    p_before, p_after = 1 / (1 + math.exp(-1.0)), 1 / (1 + math.exp(-1.5))  # softmax of the gold choice
+    assert measures["t"]["p_gold"]["difference"] == pytest.approx(p_after - p_before)
+    assert measures["summed over tasks"]["p_gold"]["difference"] == pytest.approx(p_after - p_before)
+    assert pairing.record_rows({"t": [logged([-2.0, -1.0], target="7")]}) == []  # not a choice index
+
+
 # ------------------------------------------------------------------------------------------ generation drift
 def test_generation_drift_is_zero_against_itself_and_follows_the_references_greedy_text(tiny_llama):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
@@ -217,6 +234,7 @@ def test_evaluate_pairs_against_the_initial_model_with_floor_and_drift(evaluated
     assert row["n"] == 5 and row["difference"] == pytest.approx(expected.difference)
     assert row["low"] <= row["difference"] <= row["high"] and 0 <= row["p_value"] <= 1
     assert row["noise_floor"] is not None and (out / "model_noise_floor_seed0").is_dir()
+    assert set(summary["measures"]) == {"arc_challenge", "boolq", "summed over tasks"}  # the multiple-choice tasks
     drift = summary["generation_drift"]
     assert drift["prompts"] == 3 and drift["kl"]["difference"] >= 0 and drift["new_tokens"] <= 12
     assert summary["cost"]["model"]["documents"] == 15

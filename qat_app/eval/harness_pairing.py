@@ -136,17 +136,21 @@ def floor_of(reference: Samples, perturbed_runs: Sequence[Samples]) -> dict[tupl
 
 
 def summed(rows: Sequence[PairedMetric], metric: str) -> stats.PairedResult | None:
-    """The difference of ``metric`` summed over tasks (each task's mean difference added), with its standard error
-    (the tasks' documents are independent: variances add). None when no task has the metric."""
-    chosen = [r for r in rows if r.metric == metric]
-    if not chosen:
+    """The difference of ``metric`` summed over tasks (:func:`sum_of`); None when no task has the metric."""
+    return sum_of([r.result for r in rows if r.metric == metric])
+
+
+def sum_of(results: Sequence[stats.PairedResult]) -> stats.PairedResult | None:
+    """Per-task mean differences added, with the standard error of the sum (the tasks' documents are independent:
+    variances add) and its normal interval; None for no result."""
+    if not results:
         return None
-    total = sum(r.result.difference for r in chosen)
-    se = math.sqrt(sum(r.result.se ** 2 for r in chosen if math.isfinite(r.result.se)))
+    total = sum(r.difference for r in results)
+    se = math.sqrt(sum(r.se ** 2 for r in results if math.isfinite(r.se)))
     z_level = stats.normal_quantile(stats.CONFIDENCE)
     z = total / se if se > 0 else math.nan
-    return stats.PairedResult(total, se, total - z_level * se, total + z_level * se, sum(r.result.n for r in chosen),
-                              sum(r.result.n_clusters for r in chosen), z)
+    return stats.PairedResult(total, se, total - z_level * se, total + z_level * se, sum(r.n for r in results),
+                              sum(r.n_clusters for r in results), z)
 
 
 def _logliks(sample: Mapping) -> list[float] | None:
@@ -178,4 +182,39 @@ def loglik_agreement(before: Samples, after: Samples) -> dict[str, dict]:
         if documents:
             rows[task] = {"documents": documents, "requests": requests, "identical": identical,
                           "max_abs_diff": worst, "same_choice": same_choice}
+    return rows
+
+
+def _continuations(sample: Mapping) -> list[str] | None:
+    """The continuation strings of a log-likelihood sample's requests (in memory: argument tuples; written:
+    ``{"gen_args_i": {"arg_0": context, "arg_1": continuation}}``)."""
+    arguments = sample.get("arguments")
+    if isinstance(arguments, Mapping):
+        arguments = [[a.get("arg_0"), a.get("arg_1")] for a in arguments.values()]
+    try:
+        return [str(a[1]) for a in arguments]
+    except (TypeError, IndexError, KeyError):
+        return None
+
+
+def record_rows(samples: Samples, target_delimiter: str = " ") -> list[dict]:
+    """lm-eval's multiple-choice samples as the project's benchmark records (:mod:`qat_app.eval.records`: task,
+    doc_id, gold, the choices' log-likelihoods and lengths), so :func:`qat_app.eval.measures.compare_records`
+    gives the continuous measures (p_gold, Brier, KL between choice distributions). Other request types are
+    left out; so is a document whose target is not one choice index."""
+    rows = []
+    for task, task_samples in samples.items():
+        for sample in task_samples:
+            logliks, continuations = _logliks(sample), _continuations(sample)
+            target = sample.get("target")
+            if isinstance(target, str) and target.lstrip("-").isdigit():
+                target = int(target)
+            if not logliks or continuations is None or len(continuations) != len(logliks) or \
+                    not isinstance(target, int) or not 0 <= target < len(logliks):
+                continue
+            choices = [c[len(target_delimiter):] if c.startswith(target_delimiter) else c for c in continuations]
+            rows.append({"task": task, "doc_id": sample["doc_id"], "gold": target, "loglik": logliks,
+                         "acc": float(sample.get("acc", math.nan)), "acc_norm": float(sample.get("acc_norm", math.nan)),
+                         "choice_chars": [len(c) for c in choices],
+                         "choice_bytes": [len(c.encode("utf-8")) for c in choices]})
     return rows

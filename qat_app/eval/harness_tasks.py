@@ -132,7 +132,7 @@ def leaf_tasks(name: str, index: dict, where: str = "--tasks") -> Iterator[str]:
 
     entry = index.get(name)
     if entry is None:
-        check_task_names([name], where)
+        raise TaskError(f"{where}: unknown lm-eval task {name!r}" + did_you_mean(name, list(index)))
     if entry.kind is Kind.TAG:
         for task in sorted(entry.tags):
             yield from leaf_tasks(task, index, where)

@@ -46,6 +46,17 @@ def render_evaluation(summary: dict) -> str:
     against the model (``baseline`` there is the trained model)."""
     lines = _paired_table(f"### {summary['model']} against {summary['baseline']}", summary.get("paired") or [],
                           summary.get("summed")) if summary.get("paired") else []
+    measures = summary.get("measures")
+    if measures:
+        names = sorted({m for results in measures.values() for m in results})
+        lines += ["", "Continuous measures of the multiple-choice tasks (model - baseline; kl_choices: the mean KL of "
+                  "the choice distributions), 95 % intervals:", "", "| task | " + " | ".join(names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for task, results in measures.items():
+            cells = [f"{r['difference']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}]" if r else "-"
+                     for r in (results.get(m) for m in names)]
+            lines.append(f"| {task} | " + " | ".join(cells) + " |")
+        lines.append("")
     drift = summary.get("generation_drift")
     if drift:
         kl = drift["kl"]
