@@ -257,8 +257,6 @@ def score_served(export_dir: str, tasks, args) -> tuple[Scored, dict]:
 
     python = engine_python(args.vllm_venv)
     config = Path(export_dir) / "config.json"
-    if not config.is_file():
-        raise ConfigError(f"--served {export_dir}: not an export (no config.json); write one with `main.py export`")
     positions = json.loads(config.read_text()).get("max_position_embeddings") or 2048
     request = {"model": str(Path(export_dir).resolve()), "dtype": args.served_dtype, "top_k": 1,
                "memory_fraction": 0.15, "max_model_len": min(args.max_length or 2048, int(positions)),
@@ -391,6 +389,15 @@ def render(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def check_paths(args) -> None:
+    """What must exist or be writable, before anything is loaded or scored (one line naming the flag)."""
+    if os.path.exists(args.output_path) and not os.path.isdir(args.output_path):
+        raise ConfigError(f"--output_path {args.output_path}: a file, not a directory")
+    if args.served is not None and not (Path(args.served) / "config.json").is_file():
+        raise ConfigError(f"--served {args.served}: not an export (no config.json); write one with `main.py export "
+                          "--format compressed-tensors`")
+
+
 def _seeds(text: str) -> list[int]:
     if text.strip().lower() in ("", "none"):
         return []
@@ -465,6 +472,7 @@ def main(argv: list[str] | None = None, prog: str = "python main.py evaluate") -
                               "name a --baseline or --served")
         if args.drift_prompts < 0 or args.drift_tokens < 1:
             raise ConfigError("--drift_prompts must be >= 0 and --drift_tokens >= 1")
+        check_paths(args)
         if args.vllm_venv is None:
             from .export.engine_check import DEFAULT_VENV
 

@@ -358,3 +358,17 @@ def test_the_runs_precision_is_the_evaluations(tiny_llama):
     with Evaluated(tiny_llama, None, "m", True, "32-true").forward_context()():
         assert tiny_llama(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
     assert in_run_precision(tiny_llama, "bf16-true").lm_head.weight.dtype == torch.bfloat16
+
+
+def test_paths_are_checked_before_anything_loads(tmp_path, capsys):
+    import main as cli
+
+    (tmp_path / "file").write_text("x")
+    for flags, message in ((["--output_path", str(tmp_path / "file")],
+                            f"--output_path {tmp_path / 'file'}: a file, not a directory"),
+                           (["--output_path", str(tmp_path / "o"), "--served", str(tmp_path)],
+                            f"--served {tmp_path}: not an export (no config.json)")):
+        with pytest.raises(SystemExit):
+            cli.main(["evaluate", "--model", "/no/such/model", "--tasks", "arc_easy", *flags])
+        assert capsys.readouterr().err.strip() == f"error: {message}" + (
+            "" if "served" not in message else "; write one with `main.py export --format compressed-tensors`")
