@@ -214,19 +214,30 @@ def is_evaluation(path: str) -> bool:
     return (Path(path) / EVALUATION_FILE).is_file()
 
 
+def _read_samples(directory: Path, leaves: list[str]) -> dict:
+    """The per-sample logs lm-eval wrote in ``directory`` (the newest file of each leaf task)."""
+    samples = {}
+    for leaf in leaves:
+        files = sorted(directory.glob(f"samples_{leaf}_*.jsonl"))
+        if not files:
+            raise ConfigError(f"{directory}: no samples_{leaf}_*.jsonl (an incomplete evaluation)")
+        with open(files[-1]) as handle:
+            samples[leaf] = [json.loads(line) for line in handle if line.strip()]
+    return samples
+
+
 def read_evaluation(path: str, tasks: list[str]) -> tuple[Scored, dict]:
     """An earlier ``evaluate``'s model side (its ``model/samples_<task>_*.jsonl``, floors and results) and summary."""
+    from .eval import harness_pairing as pairing
+
     summary = json.loads((Path(path) / EVALUATION_FILE).read_text())
     if list(summary.get("tasks") or []) != list(tasks):
         raise ConfigError(f"{path}: evaluated tasks {summary.get('tasks')}, not {list(tasks)} (--tasks)")
-    samples = {}
-    for leaf in summary.get("leaves") or []:
-        files = sorted((Path(path) / "model").glob(f"samples_{leaf}_*.jsonl"))
-        if not files:
-            raise ConfigError(f"{path}/model: no samples_{leaf}_*.jsonl (an incomplete evaluation)")
-        with open(files[-1]) as handle:
-            samples[leaf] = [json.loads(line) for line in handle if line.strip()]
-    floors = {(f["task"], f["metric"], f["filter"]): f["floor"] for f in summary["noise_floor"]["floors"]} or None
+    samples = _read_samples(Path(path) / "model", summary.get("leaves") or [])
+    floors = None
+    perturbed = sorted((Path(path)).glob("model_noise_floor_seed*"))
+    if perturbed:  # the floors again from the written samples (those of earlier versions too)
+        floors = pairing.floor_of(samples, [_read_samples(d, summary["leaves"]) for d in perturbed])
     scored = Scored(summary["model"], summary["results"]["model"], samples, summary.get("higher_is_better") or {},
                     summary["quantized"], floors, directory=path)
     return scored, summary
@@ -317,7 +328,7 @@ def evaluate(args) -> dict:
         summary["results"]["baseline"] = baseline.results
         rows = pairing.pair(baseline.samples, model.samples, model.higher_is_better, model.floors)
         summary["paired"] = [row.to_dict() for row in rows]
-        summary["summed"] = {metric: _jsonable(pairing.summed(rows, metric)) for metric in sorted({r.metric for r in rows})}
+        summary["summed"] = summed_rows(rows, model.floors)
         summary["measures"] = continuous_measures(baseline.samples, model.samples)
         reference = models["baseline"]
         if reference is None and baseline.directory is not None and args.drift_prompts > 0 and models["model"]:
@@ -338,11 +349,22 @@ def evaluate(args) -> dict:
         summary["served"] = {"export": args.served, "label": served.label, "kernels": kernels,
                              "results": served.results, "paired": [row.to_dict() for row in rows],
                              "logliks": pairing.loglik_agreement(model.samples, served.samples),
-                             "summed": {metric: _jsonable(pairing.summed(rows, metric))
-                                        for metric in sorted({r.metric for r in rows})},
+                             "summed": summed_rows(rows, model.floors),
                              "cost": {"seconds": served.seconds, "documents": _documents(served.samples)}}
     (out / EVALUATION_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def summed_rows(rows, floors) -> dict:
+    """Each metric summed over tasks, with the floor of that sum (when measured) and its verdict."""
+    from .eval import harness_pairing as pairing
+
+    out = {}
+    for metric in sorted({r.metric for r in rows}):
+        total = pairing.summed(rows, metric)
+        floor = (floors or {}).get((pairing.SUMMED, metric, "all"))
+        out[metric] = {**_jsonable(total), "noise_floor": floor, "verdict": pairing.verdict(total, True, floor)}
+    return out
 
 
 CONTINUOUS_MEASURES = ("p_gold", "p_gold_norm", "brier", "kl_choices")

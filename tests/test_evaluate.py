@@ -95,6 +95,9 @@ def test_pairing_refuses_other_documents_or_prompts_and_reads_the_floor():
     assert floors[("t", "acc", "none")] == pytest.approx(max(abs(row.result.low), abs(row.result.high)))
     (inside,) = pairing.pair({"t": before}, {"t": after}, {"t": {"acc": True}}, floors)
     assert inside.verdict == "inside the noise floor"
+    lower = {key: abs(row.result.high) for key in floors}
+    (overlap,) = pairing.pair({"t": before}, {"t": after}, {"t": {"acc": True}}, lower)
+    assert overlap.verdict == "worse, overlapping the noise floor"
     total = pairing.summed([row, row], "acc")
     assert total.difference == pytest.approx(2 * row.result.difference)
     assert total.se == pytest.approx(math.sqrt(2) * row.result.se)
@@ -126,6 +129,11 @@ def test_multiple_choice_samples_become_records_with_continuous_measures():
     assert measures["t"]["p_gold"]["difference"] == pytest.approx(p_after - p_before)
     assert measures["summed over tasks"]["p_gold"]["difference"] == pytest.approx(p_after - p_before)
     assert pairing.record_rows({"t": [logged([-2.0, -1.0], target="7")]}) == []  # not a choice index
+    (copa,) = pairing.record_rows({"t": [logged([-2.0, -1.0], target="choice1x")]})  # a target logged as its text
+    assert copa["gold"] == 1
+    same = logged([-2.0, -1.0], target=" same")
+    same["arguments"] = {f"gen_args_{i}": {"arg_0": f"context {i}", "arg_1": " same"} for i in range(2)}
+    assert pairing.record_rows({"t": [same]}) == []  # Winogrande: the gold is in the context
 
 
 # ------------------------------------------------------------------------------------------ generation drift

@@ -44,18 +44,25 @@ class PairedMetric:
 
     @property
     def verdict(self) -> str:
-        """``worse`` / ``better`` (the interval excludes 0), else ``within noise``; a resolved difference whose
-        interval lies inside the floor is ``inside the noise floor``: the arithmetic alone moves it that far."""
-        words = stats.verdict(self.result.interval, self.higher_is_better is not False)
-        if words in ("worse", "better") and self.floor is not None:
-            if max(abs(self.result.low), abs(self.result.high)) <= self.floor:
-                return "inside the noise floor"
-        return words
+        return verdict(self.result, self.higher_is_better is not False, self.floor)
 
     def to_dict(self) -> dict:
         return {"task": self.task, "metric": self.metric, "filter": self.filter, "p_value": self.p_value,
                 "higher_is_better": self.higher_is_better, "noise_floor": self.floor, "verdict": self.verdict,
                 **stats.jsonable(self.result)}
+
+
+def verdict(result: stats.PairedResult, higher_is_better: bool = True, floor: float | None = None) -> str:
+    """``worse`` / ``better`` (the interval excludes 0), else ``within noise``; a resolved difference whose
+    interval lies inside the floor is ``inside the noise floor`` (the arithmetic alone moves it that far), one whose
+    interval reaches into the floor is ``..., overlapping the noise floor``."""
+    words = stats.verdict(result.interval, higher_is_better)
+    if words in ("worse", "better") and floor is not None:
+        if max(abs(result.low), abs(result.high)) <= floor:
+            return "inside the noise floor"
+        if min(abs(result.low), abs(result.high)) <= floor:
+            return f"{words}, overlapping the noise floor"
+    return words
 
 
 def _number(value) -> float | None:
@@ -122,16 +129,26 @@ def pair(before: Samples, after: Samples, higher_is_better: Mapping[str, Mapping
     return rows
 
 
+SUMMED = "summed over tasks"  # the task name of a floor of a metric summed over tasks
+
+
+def _bound(result: stats.PairedResult) -> float:
+    bound = max(abs(result.low), abs(result.high), abs(result.difference))
+    return abs(result.difference) if math.isnan(bound) else bound
+
+
 def floor_of(reference: Samples, perturbed_runs: Sequence[Samples]) -> dict[tuple[str, str, str], float]:
-    """(task, metric, filter) -> the largest |bound| of the perturbed model against itself over the seeds."""
+    """(task, metric, filter) -> the largest |bound| of the perturbed model against itself over the seeds; and
+    (:data:`SUMMED`, metric, "all") -> the same of the metric summed over tasks (:func:`summed`)."""
     floors: dict[tuple[str, str, str], float] = {}
     for perturbed in perturbed_runs:
-        for row in pair(reference, perturbed):
-            bound = max(abs(row.result.low), abs(row.result.high), abs(row.result.difference))
-            if math.isnan(bound):
-                bound = abs(row.result.difference)
+        rows = pair(reference, perturbed)
+        for row in rows:
             key = (row.task, row.metric, row.filter)
-            floors[key] = max(floors.get(key, 0.0), bound)
+            floors[key] = max(floors.get(key, 0.0), _bound(row.result))
+        for metric in {row.metric for row in rows}:
+            key = (SUMMED, metric, "all")
+            floors[key] = max(floors.get(key, 0.0), _bound(summed(rows, metric)))
     return floors
 
 
@@ -201,7 +218,8 @@ def record_rows(samples: Samples, target_delimiter: str = " ") -> list[dict]:
     """lm-eval's multiple-choice samples as the project's benchmark records (:mod:`qat_app.eval.records`: task,
     doc_id, gold, the choices' log-likelihoods and lengths), so :func:`qat_app.eval.measures.compare_records`
     gives the continuous measures (p_gold, Brier, KL between choice distributions). Other request types are
-    left out; so is a document whose target is not one choice index."""
+    left out; so is a document whose gold choice the log cannot tell (Winogrande's choices differ in the context,
+    not the continuation)."""
     rows = []
     for task, task_samples in samples.items():
         for sample in task_samples:
@@ -209,10 +227,13 @@ def record_rows(samples: Samples, target_delimiter: str = " ") -> list[dict]:
             target = sample.get("target")
             if isinstance(target, str) and target.lstrip("-").isdigit():
                 target = int(target)
-            if not logliks or continuations is None or len(continuations) != len(logliks) or \
-                    not isinstance(target, int) or not 0 <= target < len(logliks):
+            if not logliks or continuations is None or len(continuations) != len(logliks):
                 continue
             choices = [c[len(target_delimiter):] if c.startswith(target_delimiter) else c for c in continuations]
+            if isinstance(target, str) and choices.count(target) == 1:  # a target logged as its choice (copa)
+                target = choices.index(target)
+            if not isinstance(target, int) or not 0 <= target < len(logliks):
+                continue
             rows.append({"task": task, "doc_id": sample["doc_id"], "gold": target, "loglik": logliks,
                          "acc": float(sample.get("acc", math.nan)), "acc_norm": float(sample.get("acc_norm", math.nan)),
                          "choice_chars": [len(c) for c in choices],

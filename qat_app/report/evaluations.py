@@ -35,8 +35,10 @@ def _paired_table(title: str, paired: list[dict], summed: dict | None, sides=("m
     lines.append("")
     for metric, total in (summed or {}).items():
         if total is not None:
+            floor = "" if total.get("noise_floor") is None else f", noise floor {total['noise_floor']:.4f}"
+            verdict = f": {total['verdict']}" if total.get("verdict") else ""
             lines.append(f"- summed over tasks, {metric}: {total['difference']:+.4f} [{total['low']:+.4f}, "
-                         f"{total['high']:+.4f}] ({total['n']} documents)")
+                         f"{total['high']:+.4f}] ({total['n']} documents{floor}){verdict}")
     return lines
 
 
