@@ -35,7 +35,8 @@ from lm_eval_compare import write_lm_eval_tasks  # noqa: E402
 
 from qat_app.eval.harness_pairing import loglik_agreement, pair  # noqa: E402
 from qat_app.eval.harness_tasks import resolve_tasks  # noqa: E402
-from qat_app.evaluate import load_evaluated, run_harness  # noqa: E402
+from qat_app.eval.harness_models import load_evaluated  # noqa: E402
+from qat_app.evaluate import run_harness  # noqa: E402
 
 
 def reference(evaluated, subjects: list[str], limit: int, batch_size: int) -> tuple[dict, float]:

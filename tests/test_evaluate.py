@@ -138,8 +138,6 @@ def test_multiple_choice_samples_become_records_with_continuous_measures():
 
 # ------------------------------------------------------------------------------------------ generation drift
 def test_generation_drift_is_zero_against_itself_and_follows_the_references_greedy_text(tiny_llama):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
-
     class Characters:  # a tokenizer over the tiny model's 128 ids: one id per character
         eos_token_id = None
 
@@ -280,7 +278,7 @@ def test_a_baseline_of_another_model_is_refused_in_one_line(evaluated_run, tmp_p
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: --baseline {other}: another model than {ckpt} (hidden_size 32 vs 48")
     with pytest.raises(ConfigError, match="is a plain model, not a checkpoint"):
-        from qat_app.evaluate import Evaluated, load_baseline
+        from qat_app.eval.harness_models import Evaluated, load_baseline
 
         load_baseline("initial", Evaluated(None, None, "m", False), "cpu", "float32", False)
 
@@ -343,7 +341,7 @@ def test_the_report_takes_the_evaluation_beside_the_in_loop_benchmarks(evaluated
 
 
 def test_a_sharded_checkpoint_is_the_same_w8a8_model_as_its_file(tmp_path, tiny_model_dir):
-    from qat_app.evaluate import load_evaluated
+    from qat_app.eval.harness_models import load_evaluated
     from tests._tiny_models import save_qat_checkpoint, write_sharded
 
     file = save_qat_checkpoint(tmp_path / "m.ckpt", tiny_model_dir, precision="bf16-mixed")
@@ -357,7 +355,7 @@ def test_a_sharded_checkpoint_is_the_same_w8a8_model_as_its_file(tmp_path, tiny_
 
 
 def test_the_runs_precision_is_the_evaluations(tiny_llama):
-    from qat_app.evaluate import Evaluated, in_run_precision
+    from qat_app.eval.harness_models import Evaluated, in_run_precision
 
     assert in_run_precision(tiny_llama, "32-true").lm_head.weight.dtype == torch.float32
     mixed = Evaluated(tiny_llama, None, "m", True, "bf16-mixed")
