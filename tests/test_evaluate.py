@@ -303,7 +303,10 @@ def test_the_served_int8_export_is_scored_on_the_same_documents_and_paired(modul
               "--served_timeout", "900"])
     summary = json.loads((out / "evaluate.json").read_text())
     served = summary["served"]
-    assert "CPUInt8ScaledMMLinearKernel" in served["kernels"].values() and served["cost"]["documents"] == 4
+    from qat_app.export.engine_check import expected_cpu_kernels
+
+    assert set(served["kernels"].values()) <= set(expected_cpu_kernels("cpu")) and served["kernels"]
+    assert served["cost"]["documents"] == 4
     assert {(r["task"], r["metric"], r["n"]) for r in served["paired"]} == {("arc_easy", "acc", 4), ("arc_easy", "acc_norm", 4)}
     trained = {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in _logged(out, "model", "arc_easy")}
     engine = {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in served_samples(out)["arc_easy"]}
