@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import stats
 from .cli_errors import ProgramParser
 from .errors import ConfigError, QATError
 from .eval.harness_models import Evaluated, is_checkpoint, load_baseline, load_evaluated
@@ -113,11 +115,13 @@ def is_evaluation(path: str) -> bool:
     return (Path(path) / EVALUATION_FILE).is_file()
 
 
-def _read_samples(directory: Path, leaves: list[str]) -> dict:
-    """The per-sample logs lm-eval wrote in ``directory`` (the newest file of each leaf task)."""
+def read_samples(directory: Path, leaves: list[str]) -> dict:
+    """The per-sample logs lm-eval wrote in ``directory`` (the newest file of each leaf task). The name is matched
+    whole (``samples_<task>_<date>.jsonl``): ``arc_challenge``'s glob would also match ``arc_challenge_chat``'s."""
     samples = {}
     for leaf in leaves:
-        files = sorted(directory.glob(f"samples_{leaf}_*.jsonl"))
+        name = re.compile(rf"samples_{re.escape(leaf)}_\d{{4}}-\d\d-\d\dT[\d.-]+\.jsonl")
+        files = sorted(path for path in directory.glob(f"samples_{leaf}_*.jsonl") if name.fullmatch(path.name))
         if not files:
             raise ConfigError(f"{directory}: no samples_{leaf}_*.jsonl (an incomplete evaluation)")
         with open(files[-1]) as handle:
@@ -132,11 +136,11 @@ def read_evaluation(path: str, tasks: list[str]) -> tuple[Scored, dict]:
     summary = json.loads((Path(path) / EVALUATION_FILE).read_text())
     if list(summary.get("tasks") or []) != list(tasks):
         raise ConfigError(f"{path}: evaluated tasks {summary.get('tasks')}, not {list(tasks)} (--tasks)")
-    samples = _read_samples(Path(path) / "model", summary.get("leaves") or [])
+    samples = read_samples(Path(path) / "model", summary.get("leaves") or [])
     floors = None
     perturbed = sorted((Path(path)).glob("model_noise_floor_seed*"))
     if perturbed:  # the floors again from the written samples (those of earlier versions too)
-        floors = pairing.floor_of(samples, [_read_samples(d, summary["leaves"]) for d in perturbed])
+        floors = pairing.floor_of(samples, [read_samples(d, summary["leaves"]) for d in perturbed])
     scored = Scored(summary["model"], summary["results"]["model"], samples, summary.get("higher_is_better") or {},
                     summary["quantized"], floors, directory=path)
     return scored, summary
@@ -225,9 +229,7 @@ def evaluate(args) -> dict:
                 "seconds": side.seconds, "documents": documents, "documents_per_second": documents / side.seconds}
     if baseline is not None:
         summary["results"]["baseline"] = baseline.results
-        rows = pairing.pair(baseline.samples, model.samples, model.higher_is_better, model.floors)
-        summary["paired"] = [row.to_dict() for row in rows]
-        summary["summed"] = summed_rows(rows, model.floors)
+        summary.update(paired_summary(baseline.samples, model.samples, model))
         summary["measures"] = continuous_measures(baseline.samples, model.samples)
         reference = models["baseline"]
         if reference is None and baseline.directory is not None and args.drift_prompts > 0 and models["model"]:
@@ -244,26 +246,27 @@ def evaluate(args) -> dict:
         served, kernels = score_served(args.served, tasks, args)
         (out / "served").mkdir(exist_ok=True)
         (out / "served" / "samples.json").write_text(json.dumps(served.samples, default=str))
-        rows = pairing.pair(model.samples, served.samples, model.higher_is_better, model.floors)
         summary["served"] = {"export": args.served, "label": served.label, "kernels": kernels,
-                             "results": served.results, "paired": [row.to_dict() for row in rows],
+                             "results": served.results, **paired_summary(model.samples, served.samples, model),
                              "logliks": pairing.loglik_agreement(model.samples, served.samples),
-                             "summed": summed_rows(rows, model.floors),
                              "cost": {"seconds": served.seconds, "documents": _documents(served.samples)}}
     (out / EVALUATION_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 
 
-def summed_rows(rows, floors) -> dict:
-    """Each metric summed over tasks, with the floor of that sum (when measured) and its verdict."""
+def paired_summary(before: dict, after: dict, model: Scored) -> dict:
+    """``paired``: each task and metric of ``after`` against ``before``, read against ``model``'s floors (the
+    trained model's: both comparisons are of it); ``summed``: each metric summed over tasks, with the floor of that
+    sum (when measured) and its verdict."""
     from .eval import harness_pairing as pairing
 
-    out = {}
+    rows = pairing.pair(before, after, model.higher_is_better, model.floors)
+    summed = {}
     for metric in sorted({r.metric for r in rows}):
         total = pairing.summed(rows, metric)
-        floor = (floors or {}).get((pairing.SUMMED, metric, "all"))
-        out[metric] = {**_jsonable(total), "noise_floor": floor, "verdict": pairing.verdict(total, True, floor)}
-    return out
+        floor = (model.floors or {}).get((pairing.SUMMED, metric, "all"))
+        summed[metric] = {**stats.jsonable(total), "noise_floor": floor, "verdict": pairing.verdict(total, True, floor)}
+    return {"paired": [row.to_dict() for row in rows], "summed": summed}
 
 
 CONTINUOUS_MEASURES = ("p_gold", "p_gold_norm", "brier", "kl_choices")
@@ -279,18 +282,12 @@ def continuous_measures(before: dict, after: dict) -> dict:
     if not before_rows or not after_rows:
         return {}
     compared = compare_records(before_rows, after_rows, CONTINUOUS_MEASURES)
-    measures = {task: {measure: _jsonable(result) for measure, result in results.items()}
+    measures = {task: {measure: stats.jsonable(result) for measure, result in results.items()}
                 for task, results in compared.items()}
-    measures["summed over tasks"] = {measure: _jsonable(pairing.sum_of([r[measure] for r in compared.values()
+    measures[pairing.SUMMED] = {measure: stats.jsonable(pairing.sum_of([r[measure] for r in compared.values()
                                                                          if measure in r]))
-                                     for measure in CONTINUOUS_MEASURES}
+                                for measure in CONTINUOUS_MEASURES}
     return measures
-
-
-def _jsonable(result):
-    from . import stats
-
-    return stats.jsonable(result)
 
 
 def render(summary: dict) -> str:

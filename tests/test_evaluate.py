@@ -185,8 +185,19 @@ def evaluated_run(module_tmp, tiny_model_dir, tiny_corpus):
 
 
 def _logged(out, role, task):
-    (path,) = (out / role).glob(f"samples_{task}_*.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    from qat_app.evaluate import read_samples
+
+    return read_samples(out / role, [task])[task]
+
+
+def test_written_samples_are_read_by_their_whole_name(tmp_path):
+    from qat_app.evaluate import read_samples
+
+    (tmp_path / "samples_arc_challenge_2026-12-06T20-24-06.341234.jsonl").write_text('{"doc_id": 1}\n')
+    (tmp_path / "samples_arc_challenge_chat_2026-12-06T20-25-00.000001.jsonl").write_text('{"doc_id": 2}\n')
+    assert read_samples(tmp_path, ["arc_challenge"]) == {"arc_challenge": [{"doc_id": 1}]}
+    with pytest.raises(ConfigError, match="no samples_arc_easy_"):
+        read_samples(tmp_path, ["arc_easy"])
 
 
 @pytest.mark.slow
