@@ -18,6 +18,7 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from qat_app.distill.config import DISTILL_CE, DISTILL_KL
+from qat_app.eval.records import FORGET_GENERATION_KL
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 
 from .alarms import EVENTS, GRAD_NORM_Z, LOSS_Z, NONFINITE, SpikeAlarm
@@ -95,6 +96,8 @@ LAYOUT = {
         "KL to the initial model on held-out text (95 % interval)": _margin("forget/kl"),
         "its parts: drift (training), quantization (HiF8), the noise floor": _multiline(
             _exact("forget/kl_drift"), _exact("forget/kl_quantization"), _exact("noise_floor/kl")),
+        "generation drift: KL to the initial model along its greedy continuations (95 % interval)":
+            _margin(FORGET_GENERATION_KL),
         # and one chart per benchmark task and measure (:func:`layout_for`)
     },
     "memory": {

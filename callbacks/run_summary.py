@@ -28,7 +28,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from qat_app.eval.measures import MeasureError, compare_records, verdict
-from qat_app.eval.records import read_records, recorded_steps, records_path
+from qat_app.eval.records import FORGET_GENERATION_KL, read_records, recorded_steps, records_path
 
 from qat_app import stats
 from qat_app.distill.config import DISTILL_CE, DISTILL_KL
@@ -102,7 +102,8 @@ def forgetting_lines(trainer: L.Trainer, log_dir: str | None, metrics: dict[str,
 
 KL_LINES = ((KL, "KL(initial || final) on held-out text"),
             (DRIFT, "of which training: KL(initial || final, quantization off)"),
-            (QUANTIZATION, "of which HiF8: KL(final off || final on), full vocabulary"))
+            (QUANTIZATION, "of which HiF8: KL(final off || final on), full vocabulary"),
+            (FORGET_GENERATION_KL, "KL(initial || final) along the initial model's greedy continuations, full vocabulary"))
 
 
 def _floor_callback(trainer: L.Trainer) -> NoiseFloorCallback | None:
@@ -127,7 +128,7 @@ def kl_lines(metrics: dict[str, float], monitor: ForgettingMonitor | None, floor
             words += (" over budget" if (values[1] if values[1] is not None else -1) > budget else " within budget") + f" {budget:g}"
         if measured is not None and name != DRIFT and None not in values:
             words += f"; {stats.floor_verdict(values[1], values[2], floor_high)}"
-        lines.append(f"  {name:<26} {values[0]:.4f} nats/token{bounds}{words} ({what})")
+        lines.append(f"  {name:<28} {values[0]:.4f} nats/token{bounds}{words} ({what})")
     return lines
 
 

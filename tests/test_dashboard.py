@@ -263,6 +263,7 @@ def test_tensorboard_shows_a_short_runs_dashboard_as_a_person_reads_it(tensorboa
         return [e[1] for e in _get(f"{url}data/plugin/scalars/scalars?run={name}&tag={tag}")]
 
     assert steps_of("noise_floor/kl") == steps_of("forget/kl")[-1:]
+    assert steps_of("forget/generation_kl") == steps_of("forget/kl")  # generation drift beside it, every validation
 
 
 def test_the_layout_leaves_out_the_charts_of_features_a_run_has_off():

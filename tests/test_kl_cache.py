@@ -410,3 +410,68 @@ def test_two_fits_in_one_run_directory_keep_their_own_caches_and_the_first_resum
     assert resumed.global_step == 6 and _sha(first) == first_sha and _sha(second) == second_sha
     assert resumed.lightning_module.forget_kl.path == str(first)
     assert _logged_kl(resumed.log_dir) == _logged_kl(straight_trainer.log_dir)[-2:]  # steps 4 and 6, exactly
+
+
+# ------------------------------------------------------------------------------------------ generation drift
+def _logged_generation_kl(log_dir) -> dict[int, tuple[float, float, float]]:
+    """optimizer step -> forget/generation_kl (mean, low, high) as logged."""
+    names = ("forget/generation_kl", "forget/generation_kl_low", "forget/generation_kl_high")
+    return {step + 1: tuple(values[n] for n in names)
+            for step, values in _logged_forget(log_dir).items() if names[0] in values}
+
+
+@pytest.mark.slow
+def test_generation_kl_follows_the_initial_models_own_greedy_continuations(straight, tiny_model_dir):
+    """forget/generation_kl at every validation after step 0; its file holds what transformers' greedy decoding of
+    the initial model gives, and the last value is the float64 full-vocabulary KL of an independent computation
+    (float16 storage aside) between the initial model and the trained W8A8 model along those continuations."""
+    from transformers import AutoModelForCausalLM
+
+    from qat_app.eval.records import INITIAL_GENERATIONS_FILE
+
+    _, trainer = straight
+    logged = _logged_generation_kl(trainer.log_dir)
+    assert sorted(logged) == [2, 4, 6]
+    for mean, low, high in logged.values():
+        assert 0 < mean and low < mean < high
+    saved = load_topk(os.path.join(trainer.log_dir, INITIAL_GENERATIONS_FILE))
+    prompts, prompt_tokens = saved.header["prompts"], saved.header["prompt_tokens"]
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    vocab = initial.config.vocab_size
+    assert saved.tokens.shape == (prompts, prompt_tokens + 32) and saved.logprobs.shape == (prompts, 32, vocab)
+    sequences = saved.tokens
+    with torch.no_grad():
+        for row in sequences:  # greedy, one prompt at a time, by transformers itself
+            out = initial.generate(row[None, :prompt_tokens], do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                                   pad_token_id=0)
+            assert torch.equal(out[0], row)
+        model = trainer.lightning_module.model.eval()
+        kl = full_kl(initial(input_ids=sequences).logits[:, prompt_tokens - 1:-1],
+                     model(input_ids=sequences).logits[:, prompt_tokens - 1:-1])
+    # float16 log-probs change a token's KL by ~1e-4 nats at most (the top-k cache's measurement above)
+    assert logged[6][0] == pytest.approx(float(kl.mean()), abs=2e-4)
+
+
+@pytest.mark.slow
+def test_generation_kl_is_exactly_0_before_anything_changed_and_resumes_as_it_ran(straight, tmp_path, tiny_model_dir,
+                                                                                  tiny_corpus):
+    """lr 1e-30: during the warmup (step 2) the model is the initial one, so exactly 0; with HiF8 on, above 0. A
+    fit killed at step 3 and resumed logs what the uninterrupted one logs at steps 4 and 6."""
+    from tests._cli_runs import SimulatedCrash
+
+    still = _logged_generation_kl(_fit(tmp_path / "still", tiny_model_dir, tiny_corpus, "--model.lr", "1e-30").log_dir)
+    assert still[2] == (0.0, 0.0, 0.0) and still[4][0] > 0 and still[6][0] > 0
+    _, straight_trainer = straight
+    with pytest.raises(SimulatedCrash):
+        _fit(tmp_path / "run", tiny_model_dir, tiny_corpus, crash_at=3)
+    resumed = _fit(tmp_path / "run", tiny_model_dir, tiny_corpus, "--ckpt_path", "last")
+    expected = _logged_generation_kl(straight_trainer.log_dir)
+    assert _logged_generation_kl(resumed.log_dir) == {s: expected[s] for s in (4, 6)}
+
+
+def test_generation_settings_are_checked():
+    from callbacks.initial_eval import InitialEvaluationCallback
+
+    for name, value in (("generation_prompts", -1), ("generation_tokens", 0), ("generation_prompt_tokens", 1.5)):
+        with pytest.raises(ConfigError, match=f"initial_eval.{name}"):
+            InitialEvaluationCallback(**{name: value})

@@ -72,7 +72,8 @@ def test_report_reads_the_qat_run_against_its_noise_floor(tmp_path):
     (version / "noise_floor.json").write_text(json.dumps({"step": 3, "seconds": 4.0, "text": floor.to_dict(),
                                                           "benchmarks": flips.to_dict()}))
     metrics = list(csv.DictReader(open(version / "metrics.csv")))
-    parts = {"forget/kl": 0.05, "forget/kl_drift": 0.01, "forget/kl_quantization": 0.045}
+    parts = {"forget/kl": 0.05, "forget/kl_drift": 0.01, "forget/kl_quantization": 0.045,
+             "forget/generation_kl": 0.07}
     last = {**{k: "" for k in metrics[0]}, "step": "3",
             **{f"{k}{s}": str(v * f) for k, v in parts.items() for s, f in (("", 1), ("_low", 0.9), ("_high", 1.1))}}
     with open(version / "metrics.csv", "w", newline="") as f:
@@ -91,4 +92,6 @@ def test_report_reads_the_qat_run_against_its_noise_floor(tmp_path):
     assert "arc_challenge: acc_norm answers changed by the floor's perturbation 1/0/2 of 100 (mean 1.0); " \
            "baseline → QAT changed 6 of 100" in section
     assert "`forget/kl_drift` (drift: KL(initial ‖ final, quantization off)) 0.01000 [0.00900, 0.01100]\n" in section
-    assert "`forget/kl_quantization`" in section and section.count("of the arithmetic") >= 3
+    assert "`forget/kl_quantization`" in section and section.count("of the arithmetic") >= 4
+    assert ("`forget/generation_kl` (generation drift: KL(initial ‖ final) along the initial model's greedy "
+            "continuations) 0.07000 [0.06300, 0.07700]") in section

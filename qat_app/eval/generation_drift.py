@@ -10,6 +10,7 @@ ModelOpt's ``kl_eval.py`` measures a quantized model against BF16.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ from torch import nn
 
 from .. import stats
 from ..hif8.health import full_kl
+from .records import FORGET_GENERATION_KL
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,147 @@ def generation_drift(reference: nn.Module, model: nn.Module, tokenizer, prompts:
         raise ValueError("generation drift: no prompt gave a continuation")
     return GenerationDrift(stats.clustered_mean(per_prompt), tuple(per_prompt), len(per_prompt), new_tokens,
                            time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------------------ in a fit
+@torch.no_grad()
+def greedy_continuations(model: nn.Module, prompts: torch.Tensor, new_tokens: int, pad_token_id: int) -> torch.Tensor:
+    """``prompts [n, P]`` (equal lengths, no padding) greedily continued by exactly ``new_tokens`` tokens each
+    (EOS suppressed until then: every rank runs the same number of forwards, which a sharded model needs)
+    -> ``[n, P + new_tokens]``."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=pad_token_id, num_beams=1)
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+
+
+def continuation_logprobs(model: nn.Module, sequences: torch.Tensor, prompt_tokens: int, batch_size: int,
+                          store_dtype: torch.dtype) -> torch.Tensor:
+    """Full-vocabulary log-probabilities ``[n, T, V]`` (``store_dtype``) of ``model`` at the positions that predict
+    each continuation token of ``sequences [n, P + T]``, scored in batches of ``batch_size``."""
+    out = []
+    for i in range(0, sequences.shape[0], batch_size):
+        logits = model(input_ids=sequences[i:i + batch_size]).logits[:, prompt_tokens - 1:-1]
+        out.append(logits.float().log_softmax(-1).to(store_dtype))
+    return torch.cat(out)
+
+
+class InitialGenerations:
+    """Generation drift in a fit: ``forget/generation_kl``, KL(initial || now) per generated token over the full
+    vocabulary, along the initial model's greedy continuations of held-out prompts, with its 95 % interval over
+    prompts (as ``forget/kl`` over sequences).
+
+    At the start of a new fit (quantization off) the first ``prompts`` held-out blocks' first ``prompt_tokens``
+    tokens are continued greedily by ``new_tokens`` tokens, and the initial model's log-probabilities along them
+    are kept (float16, full vocabulary: ``<log_dir>/initial_generations.pt``, ``prompts x new_tokens x vocab x 2``
+    bytes; 50 MB at the defaults for a 49k vocabulary). Every later validation scores the same sequences with the
+    model as it is. Both sides are rounded to float16 and renormalised (:func:`qat_app.eval.kl_cache.coarse_kl`
+    over the whole vocabulary), so a model that did not change gives exactly 0; the rounding adds a second-order
+    term of ~1e-7 nats. A missing, damaged or foreign file on resume is named in one warning and the run goes on
+    without the measure.
+    """
+
+    def __init__(self, prompts: int = 16, prompt_tokens: int = 64, new_tokens: int = 32, model_name: str = "",
+                 path: str = "") -> None:
+        self.prompts, self.prompt_tokens, self.new_tokens = prompts, prompt_tokens, new_tokens
+        self.model_name, self.path = str(model_name), path
+        self.header: dict | None = None  # of the file in use; None: off
+        self.sequences = self.logprobs = None  # this rank's, on the module's device
+        self.batch_size = 1  # sequences scored at a time (the LM validation's batch size)
+        self.last = None  # the latest kl_cache.Interval
+        self._warned = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.header is not None
+
+    def _off(self, why: str) -> None:
+        self.header = self.sequences = self.logprobs = None
+        if not self._warned:
+            self._warned = True
+            log.warning("%s off for this run: %s", FORGET_GENERATION_KL, why)
+
+    def _score(self, pl_module, sequences: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
+        from .kl_cache import STORE_DTYPE
+
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            with pl_module.trainer.precision_plugin.val_step_context():
+                return continuation_logprobs(pl_module.model, sequences, prompt_tokens, self.batch_size, STORE_DTYPE)
+        finally:
+            pl_module.train(was_training)
+
+    @torch.no_grad()
+    def record(self, pl_module, blocks: torch.Tensor, limit: int, batch_size: int, pad_token_id: int) -> None:
+        """The initial model (the caller switches quantization off) continues this rank's prompts; rank 0 writes
+        the file. Every rank calls it (collective)."""
+        from .kl_cache import _gather, save_topk, tensor_sha256
+
+        trainer = pl_module.trainer
+        world, self.batch_size = trainer.world_size, batch_size
+        prompt_tokens = min(self.prompt_tokens, blocks.shape[1])
+        n = min(max(1, self.prompts // world), limit, blocks.shape[0])
+        n = int(_gather(pl_module, torch.tensor(n, device=pl_module.device)).min())  # equal on every rank
+        prompts = blocks[:n, :prompt_tokens].to(pl_module.device)
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            with trainer.precision_plugin.val_step_context():
+                sequences = greedy_continuations(pl_module.model, prompts, self.new_tokens, pad_token_id)
+        finally:
+            pl_module.train(was_training)
+        self.sequences = sequences
+        self.logprobs = self._score(pl_module, sequences, prompt_tokens)
+        every = [_gather(pl_module, t).flatten(0, 1) for t in (sequences, self.logprobs)]
+        header = {"kind": "generations", "model": self.model_name, "prompts": int(n * world),
+                  "prompt_tokens": int(prompt_tokens), "new_tokens": int(self.new_tokens), "world_size": int(world),
+                  "vocab": int(self.logprobs.shape[-1]), "data_fingerprint": tensor_sha256([every[0][:, :prompt_tokens]])}
+        if trainer.is_global_zero:
+            header = save_topk(self.path, header, every[1], tokens=every[0])
+        self.header = header
+        log.info("initial greedy continuations: %d prompts x %d tokens, full vocabulary, in %s", n * world,
+                 self.new_tokens, self.path)
+
+    def resume(self, pl_module, blocks: torch.Tensor, batch_size: int, expected_sha256: str | None = None) -> None:
+        """A resumed fit reads the file back and checks it is this run's (model, prompts, world size, payload)."""
+        from .kl_cache import TopKCacheError, load_topk
+
+        trainer, self.batch_size = pl_module.trainer, batch_size
+        try:
+            cache = load_topk(self.path)
+        except TopKCacheError as err:
+            return self._off(f"the initial generations cannot be used: {err}")
+        h, world, foreign = cache.header, trainer.world_size, []
+        if expected_sha256 and h.get("payload_sha256") != expected_sha256:
+            foreign.append(f"payload {str(h.get('payload_sha256'))[:12]}, this run's checkpoint names {expected_sha256[:12]}")
+        if h.get("kind") != "generations" or cache.tokens is None:
+            foreign.append(f"kind {h.get('kind')!r}, not initial generations")
+        if h.get("model") != self.model_name:
+            foreign.append(f"model {h.get('model')!r}, this run {self.model_name!r}")
+        if h.get("world_size") != world:
+            foreign.append(f"world size {h.get('world_size')}, this run {world}")
+        if not foreign:
+            n, prompt_tokens = h["prompts"] // world, h["prompt_tokens"]
+            mine = slice(trainer.global_rank * n, (trainer.global_rank + 1) * n)
+            here = blocks[:n, :prompt_tokens].to(cache.tokens.dtype)
+            if here.shape != cache.tokens[mine, :prompt_tokens].shape or not torch.equal(here, cache.tokens[mine, :prompt_tokens]):
+                foreign.append(f"other prompts (fingerprint {str(h.get('data_fingerprint'))[:12]})")
+        if foreign:
+            return self._off(f"{self.path} is of another run: {'; '.join(foreign)}")
+        self.sequences, self.logprobs = (t[mine].to(pl_module.device) for t in (cache.tokens, cache.logprobs))
+        self.header = h
+
+    @torch.no_grad()
+    def measure(self, pl_module):
+        """The model as it is against the initial one -> a :class:`qat_app.eval.kl_cache.Interval` (per generated
+        token, over prompts), or None when off. Every rank calls it (collective)."""
+        from .kl_cache import _gather, coarse_kl, interval
+
+        if not self.enabled:
+            return None
+        now = self._score(pl_module, self.sequences, self.header["prompt_tokens"])
+        per_prompt = torch.stack([coarse_kl(a, b).mean() for a, b in zip(self.logprobs, now)])
+        self.last = interval(_gather(pl_module, per_prompt).flatten())
+        return self.last

@@ -26,6 +26,10 @@ INITIAL_TOPK_FILE = "initial_topk.pt"  # in the logger's directory of the fit th
 FINAL_TOPK_FILE = "final_topk.pt"  # in the logger's directory
 # the KL-to-the-initial-model metrics of qat_app.eval.kl_cache (each with _low / _high)
 FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION = "forget/kl", "forget/kl_drift", "forget/kl_quantization"
+# generation drift in a fit (qat_app.eval.generation_drift): KL(initial || now) along the initial model's greedy
+# continuations of held-out prompts, full vocabulary (with _low / _high); the initial side kept in the log dir
+FORGET_GENERATION_KL = "forget/generation_kl"
+INITIAL_GENERATIONS_FILE = "initial_generations.pt"
 PROFILE_FILE = "profile.json"  # qat_app.step_profile: where a profiled fit's steps spent their time (log dir)
 NOISE_FLOOR_FILE = "noise_floor.json"  # callbacks.noise_floor: the W8A8 forward's floor at the end of a fit (log dir)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import stats
-from ..eval.records import (FINAL_TOPK_FILE, FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION, NOISE_FLOOR_FILE,
-                            read_noise_floor)
+from ..eval.records import (FINAL_TOPK_FILE, FORGET_GENERATION_KL, FORGET_KL, FORGET_KL_DRIFT, FORGET_KL_QUANTIZATION,
+                            NOISE_FLOOR_FILE, read_noise_floor)
 from .runs import Run
 
 
@@ -41,7 +41,8 @@ def noise_floor_of(run: Run) -> dict | None:
 
 
 KL_PARTS = ((FORGET_KL, "KL(initial ‖ final)"), (FORGET_KL_DRIFT, "drift: KL(initial ‖ final, quantization off)"),
-            (FORGET_KL_QUANTIZATION, "quantization: KL(final off ‖ final on)"))
+            (FORGET_KL_QUANTIZATION, "quantization: KL(final off ‖ final on)"),
+            (FORGET_GENERATION_KL, "generation drift: KL(initial ‖ final) along the initial model's greedy continuations"))
 
 
 def forget_kl_parts(run: Run) -> dict:
