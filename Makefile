@@ -1,14 +1,36 @@
 # One command each for a fresh machine: `make quickstart` (the main job on the embedded model) and
 # `make test` (the whole test suite, slow tests included). Both install what they need first.
-PYTHON ?= python3
+#
+# Where it installs: inside an active virtual environment (VIRTUAL_ENV set, as `activate` and uv set it), into
+# that one; otherwise into the project's own, .venv in this directory, made from BASE_PYTHON the first time (a
+# stock Debian/Ubuntu Python marked externally managed, PEP 668, included: pip never touches the system's).
+# Afterwards: `. .venv/bin/activate`, or `.venv/bin/python main.py ...`. PYTHON=... overrides both.
+BASE_PYTHON ?= python3
+VENV ?= .venv
+ifdef VIRTUAL_ENV
+PYTHON ?= $(VIRTUAL_ENV)/bin/python
+else
+PYTHON ?= $(VENV)/bin/python
+endif
 
 .PHONY: install test-deps vllm-env serve-check quickstart test test-fast docs gpu-bundle gpu-rehearsal
 
-# the last step installs this checkout (editable: qat_app, callbacks and the hif8-qat command) without
-# touching the pinned requirements; setuptools comes with torch, so nothing is downloaded for the build
-install:
+# The project's environment. Without ensurepip (Debian's python3-venv not installed) the environment is made
+# without pip and the base Python's own pip installs pip into it (pip runs itself inside the target, where the
+# PEP 668 marker does not apply).
+$(VENV)/bin/python:
+	@$(BASE_PYTHON) -m venv $(VENV) 2>/dev/null || { rm -rf $(VENV) && $(BASE_PYTHON) -m venv --without-pip $(VENV) \
+	    && $(BASE_PYTHON) -m pip --python $(VENV)/bin/python install -q pip; } || { rm -rf $(VENV); \
+	    echo "make: cannot make $(VENV) from $(BASE_PYTHON): it has neither venv's ensurepip nor pip" \
+	    "(Debian/Ubuntu: apt install python3-venv; or run make inside a virtual environment)"; exit 1; }
+	@echo "make: the project's Python is $(VENV)/bin/python (. $(VENV)/bin/activate to use it)"
+
+# the last steps install this checkout (editable: qat_app, callbacks and the hif8-qat command) without
+# touching the pinned requirements, built by the environment's setuptools (a Python 3.12+ venv has none: one wheel)
+install: $(filter $(VENV)/bin/python,$(PYTHON))
 	$(PYTHON) -m pip install -q -r requirements.txt
 	$(PYTHON) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PYTHON) -m pip install -q "setuptools>=64"
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 
 quickstart: install

@@ -1,4 +1,4 @@
-"""The shape of the code a newcomer changes (issue 51): counts in ``qat_app/`` and ``callbacks/``.
+"""The shape of the code a newcomer changes : counts in ``qat_app/`` and ``callbacks/``.
 
     python benchmarks/code_shape.py [ROOT]
 
@@ -7,7 +7,7 @@
 - ``callback_hasattr``: ``hasattr`` on an element of ``trainer.callbacks`` (one callback looking for another);
 - ``operand_from_name``: call sites that read an operand out of a tensor, module or state name: a split (``split``,
   ``rsplit``, ``partition``, ``rpartition`` on ".") on a line naming an operand or scaler, or a call of a function
-  that does (``operand_of``; after issue 51, ``Operand.of_tensor`` / ``Operand.of_scaler``, kept for names read
+  that does (``operand_of``, ``Operand.of_tensor`` / ``Operand.of_scaler``, kept for names read
   back from files and state-dict keys).
 
 Each count lists its sites with ``--list``. Not a test: a measure, read before and after a change.

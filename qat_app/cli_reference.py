@@ -130,3 +130,52 @@ def command_flags(command: str) -> set[str]:
     own = _flags(parsers[command](command))
     # export --compare and inspect read the run's data as validate does
     return own | _lightning_flags("validate") if command in ("inspect", "export") else own
+
+
+class CommandLineError(ValueError):
+    """A command line its command's parsers refuse (the parser's message)."""
+
+
+def _refused(parse, args) -> str | None:
+    """The parser's error message when ``parse(args)`` exits, else None (its output swallowed)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parse(args)
+    except argparse.ArgumentError as refused:  # LightningCLI's parser raises instead of exiting
+        return str(refused)
+    except SystemExit as exit_:
+        if exit_.code:
+            lines = [line for line in err.getvalue().splitlines() if line.strip()]
+            return lines[-1] if lines else f"exit {exit_.code}"
+    return None
+
+
+def check_command_line(command: str, argv: list[str]) -> None:
+    """``python main.py COMMAND ARGV`` parsed by the command's own parsers as ``main.py`` parses it before running
+    (a ``--config`` file is read and checked, paths relative to the working directory); nothing runs. Raises
+    :class:`CommandLineError` with the parser's message."""
+    from qat_app.cli import EXTRA_COMMANDS, LIGHTNING_COMMANDS
+
+    if command in LIGHTNING_COMMANDS:
+        message = _refused(lightning_parser().parse_args, [command, *argv])
+    elif command in EXTRA_COMMANDS:
+        from qat_app.evaluate import evaluate_parser
+        from qat_app.export.cli import export_parser
+        from qat_app.inspection import inspect_parser
+        from qat_app.report.cli import report_parser
+        from qat_app.study.cli import study_parser
+
+        parser = {"export": export_parser, "report": report_parser, "study": study_parser, "inspect": inspect_parser,
+                  "evaluate": evaluate_parser}[command](f"main.py {command}")
+        if command in ("inspect", "export"):  # the rest goes to validate's parser
+            rest: list[str] = []
+            message = _refused(lambda a: rest.extend(parser.parse_known_args(a)[1]), argv)
+            if message is None and rest:
+                message = _refused(lightning_parser().parse_args, ["validate", *rest])
+        else:
+            message = _refused(parser.parse_args, argv)
+    else:
+        message = f"unknown command {command!r}"
+    if message:
+        raise CommandLineError(message)

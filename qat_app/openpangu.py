@@ -59,6 +59,15 @@ UPSTREAM_DEFAULTS: dict[str, Any] = {
     "attention_dropout": 0.0,  # not a PanguEmbeddedConfig argument, but read by its attention (config.json has it)
 }
 
+# openPangu-Embedded-1B, the paper's model, as its config.json describes it: 26 layers, hidden 1536, intermediate 6144,
+# 12 heads ("12 for Q, 6 for KV", its model card; vocabulary "153k": the 7B's exact 153376 assumed), the upstream
+# defaults otherwise (qat_app.sizing derives the pages' figures from it; the tests build it on the meta device)
+OPENPANGU_EMBEDDED_1B: dict[str, Any] = {
+    "architectures": [OPENPANGU_ARCHITECTURE], "model_type": OPENPANGU_MODEL_TYPE,
+    "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 26, "num_attention_heads": 12,
+    "num_key_value_heads": 6, "vocab_size": 153376, "bias": True, "max_position_embeddings": 32768,
+}
+
 # openPangu config field -> LlamaConfig field, copied as is. Besides these: rope_theta (+ rope_scaling) ->
 # rope_parameters; head_dim (absent or null: hidden_size // num_attention_heads, as upstream); mlp_bias=False
 # (upstream's MLP has no bias whatever the config says); num_key_value_heads null -> num_attention_heads.

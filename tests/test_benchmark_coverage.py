@@ -87,7 +87,7 @@ def test_a_trainer_limit_that_would_cut_a_benchmark_is_refused_before_any_batch(
     assert Counting.steps == 0
 
 
-# ----------------------------------------------------------------------------- the command line (issue 49)
+# ----------------------------------------------------------------------------- the command line
 def _validate_config(tmp_path, name: str, **data_args) -> str:
     config = {
         "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true", "enable_progress_bar": False,

@@ -1,12 +1,11 @@
-"""Checkpoints written by earlier mains resume on today's code: the losses after the resume, the final weights
+"""Checkpoints written by earlier versions resume on today's code: the losses after the resume, the final weights
 and the optimizer-driven scaler state (amax histories, a_hat, scales, steps recorded) are those of the
 uninterrupted run of that code. Three fixtures, all made by tests/fixtures/checkpoint_v1/make.py:
 
-* checkpoint_v1: commit ff1cdb1 (per-layer scaler buffers, before the exact saturation counters);
-* checkpoint_v2: commit 05d3587, the main before issue 20 (stacked scaler state, exact counters, the
-  hand-written QuantConfig; see its MADE_WITH).
-* checkpoint_v3: commit 201f624, the main before issue 23 (a GEMM that dequantized first; what-if state and
-  fallback decisions in the state): it resumes under the emulated GEMM, whose fp32 products differ from the
+* checkpoint_v1: per-layer scaler buffers, before the exact saturation counters;
+* checkpoint_v2: stacked scaler state, exact counters, the hand-written QuantConfig (its MADE_WITH names the
+  version that wrote it).
+* checkpoint_v3: a GEMM that dequantized first; what-if state and fallback decisions in the state: it resumes under the emulated GEMM, whose fp32 products differ from the
   former ones by roundings only, within the tolerances below.
 
 Each holds the tiny model, corpus and config, the step-2 checkpoint, and the losses and final state of the

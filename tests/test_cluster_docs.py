@@ -76,5 +76,9 @@ def test_the_accumulation_table_is_what_the_run_derives():
     rows = re.findall(r"^\| (1 GPU|8 GPUs, one node|2 nodes x 8 GPUs) \| .* \| (\d+) \|", page(), re.M)
     devices = {"1 GPU": 1, "8 GPUs, one node": 8, "2 nodes x 8 GPUs": 16}
     assert [name for name, _ in rows] == list(devices)
-    for name, accumulation in rows:  # exp8: global batch 1024, micro-batch 16
-        assert int(accumulation) == derive_accumulate_grad_batches(1024, 16, devices[name]), name
+    import yaml
+
+    data = yaml.safe_load(open(os.path.join(ROOT, "configs", "exp8.yaml")))["data"]["init_args"]
+    for name, accumulation in rows:  # exp8's global batch and micro-batch
+        assert int(accumulation) == derive_accumulate_grad_batches(
+            data["global_batch_size"], data["micro_batch_size"], devices[name]), name

@@ -9,26 +9,19 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from qat_app.cli import EXTRA_COMMANDS, LIGHTNING_COMMANDS
 from qat_app.cli_reference import command_flags, settings
+from tests._doc_commands import COMMAND, DOCS, FENCE, INLINE, README, ROOT, pages
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
-PAGES = sorted(p for p in DOCS.rglob("*.md") if "_hooks" not in p.parts)
-README = ROOT / "README.md"
+PAGES = pages()[1:]  # the README aside
 README_LIMIT = 12 * 1024
 # flags a page misspells on purpose, to show the error a typo gets
 DELIBERATE_TYPOS = {"--model.lrr"}
 
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
-INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
-# a command line: python main.py CMD / hif8-qat CMD / python -m qat_app.export|report
-COMMAND = re.compile(r"(?:python3? main\.py|hif8-qat|python3? -m qat_app\.(export|report))\s+(\w[\w-]*)?")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][\w.+-]*)")
 KEY = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:[= ].*)?$")
 
@@ -214,3 +207,23 @@ def test_no_page_is_over_12_kib_but_the_generated_references():
 def test_the_pages_speak_of_the_tool_not_of_its_development():
     found = [f"{name}: {m.group(0)}" for name, text in _texts() for m in NOTEBOOK.finditer(text)]
     assert not found, found
+
+
+# what a reader of the configs, tests and benchmarks meets too: no issue numbers, commits or "older mains"
+DEVELOPMENT = re.compile(NOTEBOOK.pattern + r"|\bcommit [0-9a-f]{7,}\b|\b(older|earlier) mains?'?s?\b", re.I)
+
+
+def test_configs_tests_and_benchmarks_speak_of_the_tool_not_of_its_development():
+    files = [*ROOT.glob("configs/**/*.yaml"), *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"),
+             *ROOT.glob("benchmarks/*.sh"), ROOT / "Makefile"]
+    found = [f"{p.relative_to(ROOT)}:{i}: {m.group(0)}" for p in files if p.name != "test_docs.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) for m in DEVELOPMENT.finditer(line)]
+    assert len(files) > 100 and not found, found
+
+
+def test_the_layout_page_names_every_module_and_config():
+    text = (DOCS / "layout.md").read_text()
+    files = [*ROOT.glob("qat_app/**/*.py"), *ROOT.glob("callbacks/*.py"), *ROOT.glob("configs/**/*.yaml")]
+    missing = [str(p.relative_to(ROOT)) for p in files if p.name not in ("__init__.py", "__main__.py")
+               and not re.search(rf"(?<![\w.]){re.escape(p.stem)}\b", text)]
+    assert len(files) > 150 and not missing, missing

@@ -36,7 +36,7 @@ def test_export_default_dtype_follows_the_runs_precision(tmp_path, tiny_model_di
 def test_a_checkpoint_without_the_precision_keeps_bfloat16(tmp_path, tiny_model_dir):
     ckpt = _checkpoint(tmp_path, tiny_model_dir, "32-true")
     state = torch.load(ckpt, weights_only=True)
-    del state[CHECKPOINT_KEY]["precision"]  # as an older main wrote it
+    del state[CHECKPOINT_KEY]["precision"]  # as an earlier version wrote it
     torch.save(state, tmp_path / "old.ckpt")
     storage, why = run_dtype(load_qat_checkpoint(tmp_path / "old.ckpt"))
     assert storage == "bfloat16" and "does not record the run's precision" in why

@@ -137,7 +137,7 @@ def test_a_cascade_past_the_budget_takes_no_decision_and_says_why():
     again.load_state_dict(monitor.state_dict())  # a resumed run stays stopped
     assert again.stopped == monitor.stopped
     older = monitor.state_dict()
-    del older["stopped"]  # a checkpoint of an older main: not stopped
+    del older["stopped"]  # a checkpoint of an earlier version: not stopped
     again.load_state_dict(older)
     assert again.stopped is None
 
@@ -180,7 +180,7 @@ def test_verification_says_when_a_remedy_worked_and_when_it_did_not():
         "step": 8, "worked": False, "text": "2 saturation events in the 3 quantized steps since; SQNR 24.00 -> 30.50 dB"}
     lines = summary_lines([{"tensor": "layers.1.mlp.up_proj." + d["operand"], **d} for d in fallen_back_of(layer)])
     assert "              1 persistent saturation -> current scaling (block 1; input 1; step 5): 1 DID NOT WORK" in lines
-    assert pending_verification({"step": 3, "target": "current"}).startswith("not verified")  # an older main's record
+    assert pending_verification({"step": 3, "target": "current"}).startswith("not verified")  # an earlier version's record
 
 
 def fallen_back_of(layer) -> list[dict]:

@@ -376,13 +376,8 @@ def test_tokenizer_needs_its_model_file(tmp_path, sp_model):
 
 
 # ------------------------------------------------------------------------------------------ (c) the paper's layout
-# openPangu-Embedded-1B: 26 layers, hidden 1536, intermediate 6144, 12 heads (model card: "12 for Q, 6 for KV",
-# vocabulary "153k"; the 7B's exact 153376 assumed), upstream defaults otherwise.
-OPENPANGU_1B = {
-    "architectures": ["PanguEmbeddedForCausalLM"], "model_type": "PanguEmbedded", "auto_map": AUTO_MAP,
-    "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 26, "num_attention_heads": 12,
-    "num_key_value_heads": 6, "vocab_size": 153376, "bias": True, "max_position_embeddings": 32768,
-}
+# openPangu-Embedded-1B as its config.json describes it (qat_app.openpangu), with its remote-code map
+OPENPANGU_1B = {**openpangu.OPENPANGU_EMBEDDED_1B, "auto_map": AUTO_MAP}
 
 
 def test_openpangu_1b_layout_on_meta_device():

@@ -1,9 +1,9 @@
-"""Files in, files out: nothing a file holds runs as code (issue 37).
+"""Files in, files out: nothing a file holds runs as code.
 
 A planted checkpoint: a real QATModule checkpoint with one more hyper-parameter whose pickle runs ``touch MARKER``
 (``__reduce__`` -> ``os.system``), as a shared or downloaded ``.ckpt`` can be. Every command that reads a
 checkpoint refuses it with one line naming the file, the global and ``--weights_only false``, creates no marker
-and changes nothing saved; today's checkpoints and an older main's (a pickled ``QuantConfig``) load weights-only.
+and changes nothing saved; today's checkpoints and an earlier version's (a pickled ``QuantConfig``) load weights-only.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _one_line(text: str, path: str) -> None:
 
 
 def test_todays_checkpoints_and_an_older_mains_load_weights_only(tmp_path, tiny_model_dir):
-    """Today's hold plain data; an older main's pickled its QuantConfig: the one allowlisted class."""
+    """Today's hold plain data; an earlier version pickled its QuantConfig: the one allowlisted class."""
     from qat_app.safe_load import LEGACY_PICKLED_CLASSES
     from qat_app.export.qat_checkpoint import load_qat_checkpoint
 
@@ -72,7 +72,7 @@ def test_todays_checkpoints_and_an_older_mains_load_weights_only(tmp_path, tiny_
     for version in ("checkpoint_v1", "checkpoint_v2", "checkpoint_v3"):
         torch.load(os.path.join(fixtures, version, "step2.ckpt"), weights_only=True)
     ckpt = torch.load(good, weights_only=True)
-    ckpt["hyper_parameters"]["quant"] = QuantConfig(**ckpt["hyper_parameters"]["quant"])  # as older mains saved it
+    ckpt["hyper_parameters"]["quant"] = QuantConfig(**ckpt["hyper_parameters"]["quant"])  # as earlier versions saved it
     old = str(tmp_path / "old.ckpt")
     torch.save(ckpt, old)
     assert LEGACY_PICKLED_CLASSES == (QuantConfig,)
