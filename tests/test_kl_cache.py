@@ -239,6 +239,13 @@ def _logged_forget(log_dir) -> dict[int, dict[str, float]]:
     return out
 
 
+def _logged_generation_kl(log_dir) -> dict[int, tuple[float, float, float]]:
+    """optimizer step -> forget/generation_kl (mean, low, high) as logged."""
+    names = ("forget/generation_kl", "forget/generation_kl_low", "forget/generation_kl_high")
+    return {step + 1: tuple(values[n] for n in names)
+            for step, values in _logged_forget(log_dir).items() if names[0] in values}
+
+
 def _sha(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
@@ -303,6 +310,8 @@ def test_resume_keeps_the_cache_and_logs_what_an_uninterrupted_run_logs(straight
     resumed = _fit(crashed, tiny_model_dir, tiny_corpus, "--ckpt_path", "last")
     assert _sha(cache) == before  # read back, not taken again
     assert _logged_kl(resumed.log_dir) == expected[-2:]  # steps 4 and 6, exactly
+    expected_generation = _logged_generation_kl(straight_trainer.log_dir)  # and the generation drift, read back
+    assert _logged_generation_kl(resumed.log_dir) == {s: expected_generation[s] for s in (4, 6)}
     # the forgetting monitor compares with the same step-0 records: every forget/* value equals the straight run's
     straight_forget, resumed_forget = _logged_forget(straight_trainer.log_dir), _logged_forget(resumed.log_dir)
     assert any(k.startswith("forget/arc_challenge/") for k in straight_forget[max(straight_forget)])
@@ -372,6 +381,8 @@ def test_a_run_that_does_not_move_has_drift_exactly_0_and_quantization_above_0(t
     assert parts[2]["forget/kl_quantization"] == 0.0 and parts[2]["forget/kl"] == 0.0  # warmup: nothing changed
     assert parts[4]["forget/kl_quantization"] > 0 and parts[6]["forget/kl_quantization"] > 0
     assert parts[6]["forget/kl"] > 0  # the total holds the quantization
+    generation = _logged_generation_kl(trainer.log_dir)  # the initial model's own continuations: exactly 0 too
+    assert generation[2] == (0.0, 0.0, 0.0) and generation[4][0] > 0 and generation[6][0] > 0
 
 
 @pytest.mark.slow
@@ -413,13 +424,6 @@ def test_two_fits_in_one_run_directory_keep_their_own_caches_and_the_first_resum
 
 
 # ------------------------------------------------------------------------------------------ generation drift
-def _logged_generation_kl(log_dir) -> dict[int, tuple[float, float, float]]:
-    """optimizer step -> forget/generation_kl (mean, low, high) as logged."""
-    names = ("forget/generation_kl", "forget/generation_kl_low", "forget/generation_kl_high")
-    return {step + 1: tuple(values[n] for n in names)
-            for step, values in _logged_forget(log_dir).items() if names[0] in values}
-
-
 @pytest.mark.slow
 def test_generation_kl_follows_the_initial_models_own_greedy_continuations(straight, tiny_model_dir):
     """forget/generation_kl at every validation after step 0; its file holds what transformers' greedy decoding of
@@ -450,23 +454,6 @@ def test_generation_kl_follows_the_initial_models_own_greedy_continuations(strai
                      model(input_ids=sequences).logits[:, prompt_tokens - 1:-1])
     # float16 log-probs change a token's KL by ~1e-4 nats at most (the top-k cache's measurement above)
     assert logged[6][0] == pytest.approx(float(kl.mean()), abs=2e-4)
-
-
-@pytest.mark.slow
-def test_generation_kl_is_exactly_0_before_anything_changed_and_resumes_as_it_ran(straight, tmp_path, tiny_model_dir,
-                                                                                  tiny_corpus):
-    """lr 1e-30: during the warmup (step 2) the model is the initial one, so exactly 0; with HiF8 on, above 0. A
-    fit killed at step 3 and resumed logs what the uninterrupted one logs at steps 4 and 6."""
-    from tests._cli_runs import SimulatedCrash
-
-    still = _logged_generation_kl(_fit(tmp_path / "still", tiny_model_dir, tiny_corpus, "--model.lr", "1e-30").log_dir)
-    assert still[2] == (0.0, 0.0, 0.0) and still[4][0] > 0 and still[6][0] > 0
-    _, straight_trainer = straight
-    with pytest.raises(SimulatedCrash):
-        _fit(tmp_path / "run", tiny_model_dir, tiny_corpus, crash_at=3)
-    resumed = _fit(tmp_path / "run", tiny_model_dir, tiny_corpus, "--ckpt_path", "last")
-    expected = _logged_generation_kl(straight_trainer.log_dir)
-    assert _logged_generation_kl(resumed.log_dir) == {s: expected[s] for s in (4, 6)}
 
 
 def test_generation_settings_are_checked():

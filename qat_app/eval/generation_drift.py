@@ -196,22 +196,15 @@ class InitialGenerations:
 
     def resume(self, pl_module, blocks: torch.Tensor, batch_size: int, expected_sha256: str | None = None) -> None:
         """A resumed fit reads the file back and checks it is this run's (model, prompts, world size, payload)."""
-        from .kl_cache import TopKCacheError, load_topk
+        from .kl_cache import TopKCacheError, foreign_to_run, load_topk
 
         trainer, self.batch_size = pl_module.trainer, batch_size
         try:
             cache = load_topk(self.path)
         except TopKCacheError as err:
             return self._off(f"the initial generations cannot be used: {err}")
-        h, world, foreign = cache.header, trainer.world_size, []
-        if expected_sha256 and h.get("payload_sha256") != expected_sha256:
-            foreign.append(f"payload {str(h.get('payload_sha256'))[:12]}, this run's checkpoint names {expected_sha256[:12]}")
-        if h.get("kind") != "generations" or cache.tokens is None:
-            foreign.append(f"kind {h.get('kind')!r}, not initial generations")
-        if h.get("model") != self.model_name:
-            foreign.append(f"model {h.get('model')!r}, this run {self.model_name!r}")
-        if h.get("world_size") != world:
-            foreign.append(f"world size {h.get('world_size')}, this run {world}")
+        h, world = cache.header, trainer.world_size
+        foreign = foreign_to_run(h, "generations", cache.tokens is not None, self.model_name, world, expected_sha256)
         if not foreign:
             n, prompt_tokens = h["prompts"] // world, h["prompt_tokens"]
             mine = slice(trainer.global_rank * n, (trainer.global_rank + 1) * n)

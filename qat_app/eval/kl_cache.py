@@ -179,6 +179,22 @@ def load_topk(path: str) -> TopKFile:
     return TopKFile(header, raw["logprobs"], raw.get("tokens"), raw.get("indices"))
 
 
+def foreign_to_run(header: dict, kind: str, complete: bool, model_name: str, world: int,
+                   expected_sha256: str | None) -> list[str]:
+    """Why a file read back on resume is not this run's (its payload, kind, model or world size), or []."""
+    foreign = []
+    if expected_sha256 and header.get("payload_sha256") != expected_sha256:
+        foreign.append(f"payload {str(header.get('payload_sha256'))[:12]}, this run's checkpoint names "
+                       f"{expected_sha256[:12]}")
+    if header.get("kind") != kind or not complete:
+        foreign.append(f"kind {header.get('kind')!r}, not {kind!r}")
+    if header.get("model") != model_name:
+        foreign.append(f"model {header.get('model')!r}, this run {model_name!r}")
+    if header.get("world_size") != world:
+        foreign.append(f"world size {header.get('world_size')}, this run {world}")
+    return foreign
+
+
 class KLBetween(NamedTuple):
     """KL(a || b) per token between two top-k files: the mean, its 95 % interval over sequences, the tokens."""
 
@@ -346,15 +362,8 @@ class InitialKL:
             return self._off(f"the initial top-k cache cannot be used: {err}")
         h = cache.header
         world, rank = trainer.world_size, trainer.global_rank
-        foreign = []
-        if expected_sha256 and h.get("payload_sha256") != expected_sha256:
-            foreign.append(f"payload {str(h.get('payload_sha256'))[:12]}, this run's checkpoint names {expected_sha256[:12]}")
-        if h.get("kind") != "initial" or cache.tokens is None or cache.indices is None:
-            foreign.append(f"kind {h.get('kind')!r}, not an initial cache")
-        if h.get("model") != self.model_name:
-            foreign.append(f"model {h.get('model')!r}, this run {self.model_name!r}")
-        if h.get("world_size") != world:
-            foreign.append(f"world size {h.get('world_size')}, this run {world}")
+        foreign = foreign_to_run(h, "initial", cache.tokens is not None and cache.indices is not None,
+                                 self.model_name, world, expected_sha256)
         if not foreign:
             n = h["sequences"] // world
             mine = slice(rank * n, (rank + 1) * n)
