@@ -8,6 +8,7 @@ one under a strategy that reads files go through :class:`ShardedCheckpointIO`.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import io
 import os
@@ -31,11 +32,20 @@ def looks_sharded(path: str) -> bool:
     return is_sharded_checkpoint(path) or (os.path.isdir(path) and any(f.endswith(".distcp") for f in os.listdir(path)))
 
 
+def _enum_member(cls, name: str):
+    """``getattr(cls, name)`` only where ``cls`` is an enum the unpickler allowed: the member named, nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"Weights only load failed: GLOBAL builtins.getattr on {cls!r}.{name!r}")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's ``.metadata`` is a plain pickle: read as data, like every checkpoint here. It may name DCP's own
     classes, torch dtypes / ``Size`` / layouts and ``pathlib`` paths; anything else is refused."""
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # how some Pythons (3.11.2, Debian 12's) pickle an enum member: getattr(cls, name)
         dcp = module.startswith("torch.distributed.checkpoint.")
         known = "." not in name and (dcp or module in ("torch", "torch.serialization", "pathlib"))
         found = getattr(importlib.import_module(module), name, None) if known else None

@@ -104,3 +104,29 @@ def test_pickled_code_in_a_directory_is_refused(file_and_dir, tmp_path):
         read_checkpoint(str(tmp_path / "evil"))
     with pytest.raises(UnsafeFileError, match=r"evil \(state_dict\..*up_proj\._extra_state"):
         check_checkpoint_file(str(tmp_path / "evil"), need_training_state=False)  # what a resume checks first
+
+
+class _ByGetattr:
+    """Pickles as ``getattr(owner, name)``: how Python 3.11.2 (Debian 12's) pickles an enum member."""
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_metadata_with_enum_members_pickled_by_getattr_reads_as_data_and_nothing_else_does():
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from qat_app.sharded_checkpoint import _MetadataUnpickler
+
+    member = pickle.dumps(_ByGetattr(WriteItemType, "TENSOR"))
+    assert _MetadataUnpickler(io.BytesIO(member)).load() is WriteItemType.TENSOR
+    for owner, name in ((pathlib.Path, "home"), (WriteItemType, "__class__")):  # an allowed class, not a member
+        with pytest.raises(pickle.UnpicklingError, match="getattr"):
+            _MetadataUnpickler(io.BytesIO(pickle.dumps(_ByGetattr(owner, name)))).load()

@@ -128,10 +128,11 @@ def _make(*args, env_extra=None, cwd=ROOT):
                           text=True, timeout=600)
 
 
-def test_make_installs_into_the_active_virtual_environment_else_into_the_projects_own():
-    own = _make("-n", "install").stdout
-    assert ".venv/bin/python -m venv" not in own and "-m venv .venv" in own  # made from BASE_PYTHON first
-    assert all(line.startswith(".venv/bin/python -m pip") for line in own.splitlines() if " pip install" in line)
+def test_make_installs_into_the_active_virtual_environment_else_into_the_projects_own(tmp_path):
+    venv = tmp_path / ".venv"  # not made yet (this checkout's own may be)
+    own = _make("-n", "install", f"VENV={venv}").stdout
+    assert f"python3 -m venv {venv}" in own  # made from BASE_PYTHON first
+    assert all(line.startswith(f"{venv}/bin/python -m pip") for line in own.splitlines() if " pip install" in line)
     active = _make("-n", "install", env_extra={"VIRTUAL_ENV": "/opt/some-env"}).stdout
     assert "-m venv" not in active and "/opt/some-env/bin/python -m pip install -q -r requirements.txt" in active
 
