@@ -113,8 +113,10 @@ def continuation_logprobs(model: nn.Module, sequences: torch.Tensor, prompt_toke
     out = []
     for i in range(0, sequences.shape[0], batch_size):
         logits = model(input_ids=sequences[i:i + batch_size]).logits[:, prompt_tokens - 1:-1]
-        out.append(logits.float().log_softmax(-1).to(store_dtype))
-    return torch.cat(out)
+        with torch.autocast(logits.device.type, enabled=False):  # a run's autocast refuses float16 ops on a CPU
+            out.append(logits.float().log_softmax(-1).to(store_dtype))
+    with torch.autocast(sequences.device.type, enabled=False):
+        return torch.cat(out)
 
 
 class InitialGenerations:
