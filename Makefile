@@ -57,8 +57,9 @@ serve-check: vllm-env
 	    --config runs/quickstart/logs/version_0/config.yaml --out exports/quickstart-$(SERVE_TARGET) --batches 32 \
 	    --serve_target $(SERVE_TARGET)
 
+# two workers (pytest-xdist), each given whole files, the longest first (tests/conftest.py)
 test: test-deps
-	$(PYTHON) -m pytest -q -ra
+	$(PYTHON) -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: install
 	$(PYTHON) -m pytest -q -ra -m "not slow"

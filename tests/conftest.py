@@ -65,3 +65,16 @@ def tiny_corpus(tmp_path_factory):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 80)))
             f.write(json.dumps({"text": f"Document {i}. {text}."}) + "\n")
     return path
+
+
+# The files that take longest (seconds on a 2-core CPU, from `--durations`), run first: `make test` hands whole files
+# to two workers (pytest-xdist, --dist loadfile) in collection order, so the long ones starting first end together.
+LONGEST_FILES = ("test_engine_check.py", "test_gpu_validation.py", "test_study.py", "test_fsdp.py", "test_evaluate.py",
+                 "test_bad_inputs.py", "test_benchmark_coverage.py", "test_kl_cache.py", "test_ddp.py",
+                 "test_cadence.py", "test_alarms.py", "test_benchmark_records.py", "test_models.py",
+                 "test_distill_training.py", "test_fallback.py", "test_fallback_remedies.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
