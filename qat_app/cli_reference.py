@@ -111,14 +111,8 @@ def _lightning_flags(subcommand: str) -> set[str]:
     return _flags(_subcommand_parser(subcommand)) | data | long_form
 
 
-def command_flags(command: str) -> set[str]:
-    """Every flag ``python main.py COMMAND`` accepts (``inspect`` passes the rest to ``validate``)."""
-    from qat_app.cli import EXTRA_COMMANDS, LIGHTNING_COMMANDS
-
-    if command in LIGHTNING_COMMANDS:
-        return _lightning_flags(command)
-    if command not in EXTRA_COMMANDS:
-        raise KeyError(f"unknown command {command!r}")
+def _extra_parser(command: str, prog: str):
+    """The argparse parser of one of ``main.py``'s other commands (:data:`qat_app.cli.EXTRA_COMMANDS`)."""
     from qat_app.evaluate import evaluate_parser
     from qat_app.export.cli import export_parser
     from qat_app.inspection import inspect_parser
@@ -127,7 +121,18 @@ def command_flags(command: str) -> set[str]:
 
     parsers = {"export": export_parser, "report": report_parser, "study": study_parser, "inspect": inspect_parser,
                "evaluate": evaluate_parser}
-    own = _flags(parsers[command](command))
+    return parsers[command](prog)
+
+
+def command_flags(command: str) -> set[str]:
+    """Every flag ``python main.py COMMAND`` accepts (``inspect`` passes the rest to ``validate``)."""
+    from qat_app.cli import EXTRA_COMMANDS, LIGHTNING_COMMANDS
+
+    if command in LIGHTNING_COMMANDS:
+        return _lightning_flags(command)
+    if command not in EXTRA_COMMANDS:
+        raise KeyError(f"unknown command {command!r}")
+    own = _flags(_extra_parser(command, command))
     # export --compare and inspect read the run's data as validate does
     return own | _lightning_flags("validate") if command in ("inspect", "export") else own
 
@@ -160,14 +165,7 @@ def check_command_line(command: str, argv: list[str]) -> None:
     if command in LIGHTNING_COMMANDS:
         message = _refused(lightning_parser().parse_args, [command, *argv])
     elif command in EXTRA_COMMANDS:
-        from qat_app.evaluate import evaluate_parser
-        from qat_app.export.cli import export_parser
-        from qat_app.inspection import inspect_parser
-        from qat_app.report.cli import report_parser
-        from qat_app.study.cli import study_parser
-
-        parser = {"export": export_parser, "report": report_parser, "study": study_parser, "inspect": inspect_parser,
-                  "evaluate": evaluate_parser}[command](f"main.py {command}")
+        parser = _extra_parser(command, f"main.py {command}")
         if command in ("inspect", "export"):  # the rest goes to validate's parser
             rest: list[str] = []
             message = _refused(lambda a: rest.extend(parser.parse_known_args(a)[1]), argv)

@@ -7,7 +7,6 @@ teacher (BF16). The pages' figures are generated from here (``docs/_hooks/model_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 GIB = 1 << 30
 # bytes a parameter: what DDP holds on every GPU while training (fp32 weights, gradients, AdamW's m and v)
@@ -52,28 +51,15 @@ def model_sizes(model, name: str, high_precision_layers: int = 5) -> ModelSizes:
     return ModelSizes(name, parameters, selected.num_blocks, len(selected.modules), quantized, high_precision_layers)
 
 
-def sizes_of_config(config: Mapping[str, Any], name: str, high_precision_layers: int = 5) -> ModelSizes:
-    """The sizes of the model a ``config.json`` describes (openPangu's or any transformers architecture's)."""
-    import torch
-
-    from qat_app import openpangu
-
-    with torch.device("meta"):
-        if openpangu.is_openpangu_config(config):
-            model = openpangu.model_from_config(config)
-        else:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            fields = dict(config)
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
-    return model_sizes(model, name, high_precision_layers)
-
-
 def openpangu_1b() -> ModelSizes:
     """openPangu-Embedded-1B, the paper's model (:data:`qat_app.openpangu.OPENPANGU_EMBEDDED_1B`)."""
-    from qat_app.openpangu import OPENPANGU_EMBEDDED_1B
+    import torch
 
-    return sizes_of_config(OPENPANGU_EMBEDDED_1B, "openPangu-Embedded-1B")
+    from qat_app.openpangu import OPENPANGU_EMBEDDED_1B, model_from_config
+
+    with torch.device("meta"):
+        model = model_from_config(OPENPANGU_EMBEDDED_1B)
+    return model_sizes(model, "openPangu-Embedded-1B")
 
 
 def embedded_default() -> ModelSizes:

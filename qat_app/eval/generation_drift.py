@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager, nullcontext
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,8 +64,6 @@ def generation_drift(reference: nn.Module, model: nn.Module, tokenizer, prompts:
                      max_new_tokens: int = 32, max_prompt_tokens: int = 512, forward_context=None) -> GenerationDrift:
     """KL(reference || model) along ``reference``'s greedy continuations of ``prompts`` (module doc).
     ``forward_context``: a context manager factory the model's forwards run under (a run's autocast)."""
-    from contextlib import nullcontext
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     started = time.perf_counter()
@@ -119,6 +118,18 @@ def continuation_logprobs(model: nn.Module, sequences: torch.Tensor, prompt_toke
         return torch.cat(out)
 
 
+@contextmanager
+def _evaluating(pl_module):
+    """``pl_module`` in eval mode under the run's validation precision; its mode restored after."""
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        with pl_module.trainer.precision_plugin.val_step_context():
+            yield
+    finally:
+        pl_module.train(was_training)
+
+
 class InitialGenerations:
     """Generation drift in a fit: ``forget/generation_kl``, KL(initial || now) per generated token over the full
     vocabulary, along the initial model's greedy continuations of held-out prompts, with its 95 % interval over
@@ -157,13 +168,8 @@ class InitialGenerations:
     def _score(self, pl_module, sequences: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
         from .kl_cache import STORE_DTYPE
 
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with pl_module.trainer.precision_plugin.val_step_context():
-                return continuation_logprobs(pl_module.model, sequences, prompt_tokens, self.batch_size, STORE_DTYPE)
-        finally:
-            pl_module.train(was_training)
+        with _evaluating(pl_module):
+            return continuation_logprobs(pl_module.model, sequences, prompt_tokens, self.batch_size, STORE_DTYPE)
 
     @torch.no_grad()
     def record(self, pl_module, blocks: torch.Tensor, limit: int, batch_size: int, pad_token_id: int) -> None:
@@ -177,13 +183,8 @@ class InitialGenerations:
         n = min(max(1, self.prompts // world), limit, blocks.shape[0])
         n = int(_gather(pl_module, torch.tensor(n, device=pl_module.device)).min())  # equal on every rank
         prompts = blocks[:n, :prompt_tokens].to(pl_module.device)
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with trainer.precision_plugin.val_step_context():
-                sequences = greedy_continuations(pl_module.model, prompts, self.new_tokens, pad_token_id)
-        finally:
-            pl_module.train(was_training)
+        with _evaluating(pl_module):
+            sequences = greedy_continuations(pl_module.model, prompts, self.new_tokens, pad_token_id)
         self.sequences = sequences
         self.logprobs = self._score(pl_module, sequences, prompt_tokens)
         every = [_gather(pl_module, t).flatten(0, 1) for t in (sequences, self.logprobs)]
