@@ -4,7 +4,11 @@ import shutil
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The cores shared among pytest-xdist's workers (PYTEST_XDIST_WORKER_COUNT): two workers each running two threads on
+# two cores lose time to oversubscription. Subprocesses the tests start inherit OMP_NUM_THREADS.
+THREADS_PER_WORKER = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(THREADS_PER_WORKER)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_PER_WORKER))
 
 
 @pytest.fixture

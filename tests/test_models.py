@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-torch.set_num_threads(2)
 
 from qat_app import models  # noqa: E402
 from qat_app.models import embedded  # noqa: E402

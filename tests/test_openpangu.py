@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
 
 from qat_app import openpangu  # noqa: E402
 from qat_app.config import QuantConfig, quantize_model  # noqa: E402

@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-torch.set_num_threads(2)
 
 from qat_app.data.batching import derive_accumulate_grad_batches  # noqa: E402
 from qat_app.data.corpus import EMBEDDED_BOOLQ, boolq_passages_path  # noqa: E402
