@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from callbacks.saturation import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
+from qat_app.hif8.step_record import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
 from qat_app.config import QuantConfig, quantize_model
 from qat_app.hif8.counters import HEALTH, gather_columns
 from qat_app.hif8.health import summarize

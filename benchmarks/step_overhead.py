@@ -132,7 +132,7 @@ def diagnostics_as(model: torch.nn.Module, diagnostics: str):
 def read_counters(model: torch.nn.Module, diagnostics: str) -> None:
     """The saturation callback's per-step read-out (one device->host copy), with the health vectors on a logging
     step."""
-    from callbacks.saturation import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
+    from qat_app.hif8.step_record import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
     from qat_app.hif8.counters import HEALTH, gather_columns
     from qat_app.hif8.health import summarize
 

@@ -1,8 +1,8 @@
 """SpikeAlarm: loss spikes, gradient-norm spikes and non-finite steps, as events with their step.
 
-Once per optimizer step, in one device-to-host copy, it reads the step's loss (averaged over the ranks, so every
-rank decides alike), the gradient norm :class:`qat_app.module.QATModule` already computed, and its count of
-skipped non-finite steps. The loss and the gradient norm are scored against their last ``window`` finite values
+Once per optimizer step it takes the step's record the core read (:class:`~qat_app.hif8.step_record.StepRecord`,
+published by :class:`qat_app.module.QATModule` as ``step_record``): the loss (averaged over the micro-batches and
+the ranks, so every rank decides alike), the gradient norm and whether the step was skipped (non-finite). The loss and the gradient norm are scored against their last ``window`` finite values
 by a robust z, (value - median) / (1.4826 MAD) (:func:`robust_z`); an upward jump past ``z_threshold`` and every
 skipped step are events: a log line, ``alarm/*`` at the step they describe, ``alarms.json`` at the end of fit.
 Contract: the state is checkpointed, so a resumed run raises exactly the events of an uninterrupted one.
@@ -22,13 +22,13 @@ from collections import deque
 from typing import Literal, NamedTuple, Optional
 
 import lightning as L
-import torch
 
 from qat_app.errors import ConfigError, did_you_mean
 
 from .per_step import PerOptimizerStep
-from .saturation import MAX_CLIPPED_FRAC, MIN_HEADROOM, saturation_metrics, step_stats_of
-from .step_stats import StepStats
+from qat_app.hif8.step_record import StepRecord
+
+from .saturation import MAX_CLIPPED_FRAC, MIN_HEADROOM, saturation_metrics, step_record_of
 from .stopping import stop_with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -79,14 +79,6 @@ class Scored(NamedTuple):
     history: int  # the values it was scored against
 
 
-class StepRead(NamedTuple):
-    """What :class:`SpikeAlarm` reads of one optimizer step."""
-
-    loss: float | None
-    grad_norm: float | None
-    nonfinite: bool  # the step was skipped
-
-
 class SpikeDetector:
     """One series: the last ``window`` finite values; each new value is scored against them, then kept."""
 
@@ -105,7 +97,7 @@ class SpikeDetector:
         return Scored(z, median, history)
 
 
-def clipping_of(stats: StepStats | None) -> dict | None:
+def clipping_of(stats: StepRecord | None) -> dict | None:
     """The step's clipping beside an event (:func:`~callbacks.saturation.saturation_metrics`): the fraction of all
     quantized elements clipped, the worst tensor's fraction and the lowest headroom (None without quantized tensors
     or a saturation callback)."""
@@ -156,24 +148,19 @@ class SpikeAlarm(PerOptimizerStep):
         self.events: list[dict] = []
         self.last_z: dict[str, float] = {}  # the last step's z per metric (once its window is long enough)
         self.nonfinite = 0  # skipped steps seen
-        self._skipped_seen: int | None = None  # the module's skipped_steps at the last read (checkpointed)
-        self._loss_sum: torch.Tensor | None = None  # the step's micro-batch losses, on the device
-        self._micro_batches = 0
         self.events_path: str | None = None
         self.stop_checkpoint: str | None = None
 
     # ----------------------------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict:
         return {"loss_window": list(self.loss.values), "grad_norm_window": list(self.grad_norm.values),
-                "events": [dict(e) for e in self.events], "nonfinite": self.nonfinite,
-                "skipped_seen": self._skipped_seen}
+                "events": [dict(e) for e in self.events], "nonfinite": self.nonfinite}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.loss.values.extend(state_dict.get("loss_window", []))  # deque(maxlen=window): the newest kept
         self.grad_norm.values.extend(state_dict.get("grad_norm_window", []))
         self.events = [dict(e) for e in state_dict.get("events", [])]
         self.nonfinite = int(state_dict.get("nonfinite", 0))
-        self._skipped_seen = state_dict.get("skipped_seen")
 
     # ------------------------------------------------------------------------------------- the decision
     def observe(self, step: int, loss: float | None, grad_norm: float | None, nonfinite: bool) -> list[dict]:
@@ -218,27 +205,18 @@ class SpikeAlarm(PerOptimizerStep):
         return f"alarm: {event['kind']} at step {event['step']}: {what}; {CAUSES[event['kind']]}"
 
     # ------------------------------------------------------------------------------------------ the loop
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._loss_sum, self._micro_batches = None, 0
-        skipped = getattr(pl_module, "skipped_steps", None)
-        if self.enabled and self._skipped_seen is None and skipped is not None:
-            self._skipped_seen = int(skipped)  # once per fit: a checkpoint without our state counts from here
-
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if not self.enabled:
             return
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):  # divided by accumulate_grad_batches (Lightning's closure)
-            self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
-            self._micro_batches += 1
         step = self.completed_step(trainer)
         if step is None:  # the optimizer step is not done yet
             return
-        loss, grad_norm, nonfinite = self._read_step(trainer, pl_module)
-        new = self.observe(step, loss, grad_norm, nonfinite)
-        if new:  # the same on every rank (the loss is averaged over them): the step record is asked for alike
-            clipping = clipping_of(step_stats_of(trainer, pl_module, step))
+        record = getattr(pl_module, "step_record", None)
+        if record is None or record.step != step:  # a module that publishes no record of its steps
+            return
+        new = self.observe(step, record.loss, record.grad_norm, record.skipped)
+        if new:  # the same on every rank (the loss is averaged over them)
+            clipping = clipping_of(step_record_of(pl_module, step))
             for event in new:
                 event["clipping"] = clipping
         metrics = {**self.last_z, EVENTS: float(len(self.events)), NONFINITE: float(self.nonfinite)}
@@ -248,36 +226,6 @@ class SpikeAlarm(PerOptimizerStep):
                 log.warning(self.describe(event))
         if new and self.action == "stop":
             self._stop(trainer)
-
-    def _read_step(self, trainer, pl_module) -> StepRead:
-        """The loss, gradient norm and skip of the step just taken: one host transfer (after one all-reduce of
-        the loss when there are several ranks)."""
-        loss_sum, micro = self._loss_sum, self._micro_batches
-        self._loss_sum, self._micro_batches = None, 0
-        values, names = [], []
-        if loss_sum is not None:
-            loss = loss_sum.double() * (trainer.accumulate_grad_batches / micro)
-            if trainer.world_size > 1:
-                loss = trainer.strategy.reduce(loss, reduce_op="mean")
-            values.append(loss)
-            names.append("loss")
-        for name, attr in (("grad_norm", "last_grad_norm"), ("skipped", "skipped_steps")):
-            tensor = getattr(pl_module, attr, None)
-            if isinstance(tensor, torch.Tensor):
-                values.append(tensor.detach())
-                names.append(name)
-        if not values:
-            return StepRead(None, None, False)
-        device = values[0].device
-        read = dict(zip(names, torch.stack([v.to(device, torch.float64) for v in values]).tolist()))
-        loss, grad_norm = read.get("loss"), read.get("grad_norm")
-        if "skipped" in read:
-            skipped = int(read["skipped"])
-            nonfinite = skipped > (self._skipped_seen or 0)
-            self._skipped_seen = skipped
-        else:  # a module without the skip counter: a non-finite value is the event
-            nonfinite = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
-        return StepRead(loss, grad_norm, nonfinite)
 
     def _stop(self, trainer) -> None:
         log_dir = trainer.log_dir  # a broadcast: every rank

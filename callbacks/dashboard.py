@@ -208,7 +208,7 @@ class TensorBoardDashboard(L.Callback):
         if not self.enabled or not trainer.is_global_zero:
             return
         saturation = callback_of(trainer, AmaxSaturationCallback)
-        logged = getattr(saturation, "last_logged", None)  # the StepStats of the last step logged in full
+        logged = getattr(saturation, "last_logged", None)  # the StepRecord of the last step logged in full
         if logged is None or logged.step <= self._drawn_step or not self._writers(trainer):
             return
         self._drawn_step = logged.step

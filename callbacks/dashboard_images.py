@@ -9,7 +9,7 @@ import re
 import numpy as np
 from matplotlib.figure import Figure
 
-# the pictures: (image tag, the per-tensor figure it shows: a StepStats method, colour map, best at the high end)
+# the pictures: (image tag, the per-tensor figure it shows: a StepRecord method, colour map, best at the high end)
 HEATMAPS = (("dashboard/sqnr_db", "sqnr_db", "viridis", True),
             ("dashboard/clipped_frac", "clipped_frac", "magma_r", False))
 

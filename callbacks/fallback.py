@@ -1,10 +1,10 @@
 """FallbackCallback: the automatic fallback policy of :mod:`qat_app.hif8.fallback` in a fit (opt-in).
 
-Once per optimizer step (the first ``on_train_batch_end`` after ``global_step`` moved: the scalers have advanced)
-it takes two run counters per quantized tensor (and, on the steps whose health the saturation callback measured,
-their SQNR, summed over the ranks) from the step's :class:`~callbacks.step_stats.StepStats` (read without one
-where the run has no saturation callback), updates the evidence and makes the tensors
-that qualify fall back to ``policy.target`` before the next forward. Each decision is one warning with its
+The policy runs in the core's per-step protocol: this callback hands its :class:`~qat_app.hif8.fallback.FallbackMonitor`
+to the LightningModule (``fallback_monitor``), and :func:`~qat_app.hif8.training.sync_and_advance` decides on the
+step's record (two run counters per quantized tensor and, on the steps whose health the saturation callback
+measured, their SQNR, summed over the ranks): it updates the evidence and makes the tensors that qualify fall back
+to ``policy.target`` before the next forward. Once per optimizer step this callback reports the record's decisions. Each decision is one warning with its
 evidence and is logged as ``fallback/tensors`` (the count so far, every step). The decisions live in the
 quantized matmuls' extra state (checkpoints, exports, the saturation summary and the report list them), and
 the evidence in this callback's ``state_dict``, so a run resumed from any checkpoint takes the decisions an
@@ -21,12 +21,12 @@ import lightning as L
 
 from qat_app.errors import ConfigError, settings_of
 from qat_app.hif8.errors import FieldError
-from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, check_reachable_floor, fallback_step,
-                                   quantized_tensors, read_counters, scaler_pairs)
+from qat_app.hif8.fallback import (FallbackMonitor, FallbackPolicy, check_reachable_floor, quantized_tensors,
+                                   read_counters, scaler_pairs)
 from qat_app.hif8.fallback_targets import TARGET_TEXT
 
 from .per_step import PerOptimizerStep, callback_of
-from .saturation import AmaxSaturationCallback, step_stats_of
+from .saturation import AmaxSaturationCallback, step_record_of
 from .warmup import BF16WarmupCallback
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,6 @@ class FallbackCallback(PerOptimizerStep):
         self._fallen_back = 0  # tensors fallen back so far, resumed ones included (the logged count)
         self._said_stop = False  # the budget's stop is said once (a resumed run whose policy stopped: at resume)
 
-    def fallback_stopped(self) -> dict | None:
-        """The budget's stop (step, qualified, already, budget, diagnosis), or None while the policy decides."""
-        return dict(self.monitor.stopped) if self.monitor is not None and self.monitor.stopped is not None else None
-
     def state_dict(self) -> dict:
         return {"monitor": self.monitor.state_dict() if self.monitor is not None else self._saved}
 
@@ -118,6 +114,9 @@ class FallbackCallback(PerOptimizerStep):
         if not tensors:
             log.warning("fallback: the model has no quantized tensor (quant.enabled=false?); nothing can fall back")
             return
+        if not hasattr(pl_module, "fallback_monitor"):
+            raise ConfigError(f"fallback.enabled: {type(pl_module).__name__} does not run the fallback policy in its "
+                              "optimizer step (qat_app.module.QATModule does)")
         self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)  # its budget: checked at setup
         self._fallen_back = sum(operand in layer.fallback for _, layer, operand in tensors)
         if self._saved is not None:
@@ -128,6 +127,7 @@ class FallbackCallback(PerOptimizerStep):
         else:  # a fresh run (zeros), or one resumed from a checkpoint without fallback state: evidence starts now
             counters = read_counters(scaler_pairs(tensors), health=False)
             self.monitor.start(counters.events, counters.steps)
+        pl_module.fallback_monitor = self.monitor  # decided on in the module's optimizer step, from now on
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if self.monitor is None:
@@ -135,9 +135,8 @@ class FallbackCallback(PerOptimizerStep):
         step = self.completed_step(trainer)
         if step is None:
             return
-        stats = step_stats_of(trainer, pl_module, step)  # the saturation callback's record of the step, if it runs
-        new = fallback_step(pl_module.model, self.monitor, step,  # the step whose counters decided
-                            stats.counters if stats is not None else None)
+        record = step_record_of(pl_module, step)
+        new = list(record.fallback) if record is not None else []  # decided on the step's counters
         for decision in new:
             log.warning("fallback at step %d: %s.%s -> %s for the rest of the run (%s: %s)", decision["step"],
                         decision["module"], decision["operand"], TARGET_TEXT[decision["target"]], decision["reason"],

@@ -8,15 +8,9 @@ import math
 
 from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.formats import saturation_threshold
-
-from .step_stats import StepStats
+from qat_app.hif8.step_record import StepRecord, short_name
 
 log = logging.getLogger("callbacks.saturation")
-
-
-def short_name(name: str) -> str:
-    """A tensor's name without the LightningModule's ``model.`` prefix."""
-    return name[len("model."):] if name.startswith("model.") else name
 
 
 def clip_headrooms(tensors) -> dict[str, float]:
@@ -27,7 +21,7 @@ def clip_headrooms(tensors) -> dict[str, float]:
         for name, layer, operand in tensors}
 
 
-def forecast_metrics(forecast: SaturationForecast, clip_headroom: dict[str, float], stats: StepStats,
+def forecast_metrics(forecast: SaturationForecast, clip_headroom: dict[str, float], stats: StepRecord,
                      per_layer: bool, say: bool) -> dict[str, float]:
     """The forecast's step (the one that ended): new warnings logged as warnings; the tensors at risk and the
     nearest forecast clip every step, each tensor's forecast on the logged steps (with ``per_layer``)."""

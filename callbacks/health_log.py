@@ -16,8 +16,7 @@ from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, valid
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, TIERS, summarize
 from qat_app.hif8.fallback_targets import unquantized_by
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
-
-from .step_stats import StepStats
+from qat_app.hif8.step_record import StepRecord
 
 
 # the model-wide series a person compares at a glance (the per-tensor ones are health/<layer>.<operand>/...)
@@ -97,7 +96,7 @@ class HealthLog:
         self.worst: dict[str, dict] = {}  # tensor -> {"sqnr_db", "step"}: its lowest logged SQNR
         self.headroom_last: dict | None = None  # the last measured step's digest (qat_app.hif8.headroom.digest)
 
-    def metrics(self, stats: StepStats) -> dict[str, float]:
+    def metrics(self, stats: StepRecord) -> dict[str, float]:
         """The health figures of the step that ended (measured), per tensor (with ``per_layer``) and over the run;
         updates each tensor's last and worst figures."""
         pairs, columns, step = stats.pairs, stats.columns, stats.step

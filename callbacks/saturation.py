@@ -1,8 +1,8 @@
 """AmaxSaturationCallback: each optimizer step's saturation, what-if, health and forecast, logged at the step they
 describe, and ``saturation_summary.json`` at the end of fit.
 
-Once per optimizer step it reads every scaler's last completed step in one device->host copy (element counts
-summed over the data-parallel ranks first) and logs ``sat/*``, ``whatif/*`` and ``forecast/*`` every step, the
+Once per optimizer step it takes the step's record the core read (:class:`~qat_app.hif8.step_record.StepRecord`,
+published by the LightningModule as ``step_record``) and logs ``sat/*``, ``whatif/*`` and ``forecast/*`` every step, the
 per-tensor keys, ``health/*`` and ``headroom/*`` every ``log_every_n_steps`` (health is measured on those steps
 only). The metrics: docs/diagnostics/saturation.md and docs/diagnostics/health.md; the figures:
 :mod:`.health_log`, :mod:`.forecast_log`. DDP is told not to broadcast the scalers' buffers (each rank keeps
@@ -22,20 +22,18 @@ import torch
 
 from qat_app.errors import ConfigError
 from qat_app.hif8.counters import as_rows, gather_columns
-from qat_app.hif8.fallback import fallen_back, quantized_tensors, scaler_pairs
+from qat_app.hif8.fallback import fallen_back, quantized_tensors
 from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.health import WHATIF_ALGOS
 from qat_app.hif8.quantized import set_health_measurement
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 from qat_app.hif8.scaling import keep_scalers_out_of_ddp_broadcast
 
-from .forecast_log import clip_headrooms, forecast_metrics, short_name
-from .health_log import HeadroomSetup, HealthLog, finite_or_none, headroom_setup
-from .per_step import PerOptimizerStep, callback_of
-from .step_stats import COUNT_FIELDS, FIELDS, WHATIF_COUNT, StepRow, StepStats, read_step
+from qat_app.hif8.step_record import WHATIF_COUNT, StepRecord, named_scalers, short_name
 
-__all__ = ["COUNT_FIELDS", "FIELDS", "WHATIF_COUNT", "AmaxSaturationCallback", "HeadroomSetup", "StepRow", "StepStats",
-           "clip_headrooms", "headroom_setup", "named_scalers", "step_stats_of"]
+from .forecast_log import clip_headrooms, forecast_metrics
+from .health_log import HealthLog, finite_or_none, headroom_setup
+from .per_step import PerOptimizerStep
 
 log = logging.getLogger(__name__)
 TOTAL_FIELDS = ("saturation_events", "quantized_steps", "min_headroom", "a_hat", "scale", "steps_recorded")
@@ -44,7 +42,7 @@ TOTAL_COUNT_FIELDS = ("total_clipped", "total_numel")
 MIN_HEADROOM, MEDIAN_HEADROOM, MAX_CLIPPED_FRAC = "sat/min_headroom", "sat/median_headroom", "sat/max_clipped_frac"
 
 
-def saturation_metrics(stats: StepStats) -> dict[str, float]:
+def saturation_metrics(stats: StepRecord) -> dict[str, float]:
     """The model-wide ``sat/*`` series of one step."""
     rows = stats.rows
     clipped, numel = sum(r.clipped for r in rows), sum(r.numel for r in rows)
@@ -60,7 +58,7 @@ def saturation_metrics(stats: StepStats) -> dict[str, float]:
     return metrics
 
 
-def whatif_metrics(stats: StepStats) -> dict[str, float]:
+def whatif_metrics(stats: StepRecord) -> dict[str, float]:
     """What each estimator would have clipped in the step, over all tensors."""
     whatif = stats.columns[WHATIF_COUNT]
     metrics = {}
@@ -83,31 +81,24 @@ class TotalsRow(NamedTuple):
     seen: float
 
 
-def named_scalers(model) -> list[tuple[str, object]]:
-    """``(tensor name, scaler)`` of every quantized tensor: ``layers.7.mlp.up_proj.input``."""
-    return [(short_name(name), scaler) for name, scaler in scaler_pairs(quantized_tensors(model))]
-
-
 def fallback_entries(model) -> list[dict]:
     """The fallback decisions of ``model`` (:func:`qat_app.hif8.fallback.fallen_back`), named like the tensors here."""
     return [{"tensor": f"{short_name(d['module'])}.{d['operand']}", **{k: v for k, v in d.items() if k not in ("module", "operand")}}
             for d in fallen_back(model)]
 
 
-def step_stats_of(trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> StepStats | None:
-    """The run's :class:`StepStats` of optimizer step ``step``, from its saturation callback (read once per step,
-    whichever callback asks first); None without that callback or a quantized tensor."""
-    saturation = callback_of(trainer, AmaxSaturationCallback)
-    return saturation.step_stats(trainer, pl_module, step) if saturation is not None else None
+def step_record_of(pl_module: L.LightningModule, step: int) -> StepRecord | None:
+    """The record of optimizer step ``step`` the module published, with the quantized tensors' figures read
+    (None: a module that publishes none, or no quantized tensor)."""
+    record = getattr(pl_module, "step_record", None)
+    return record if record is not None and record.step == step and record.read else None
 
 
-def _fallback_stopped(pl_module: L.LightningModule) -> dict | None:
-    """The fallback budget's stop, from the run's :class:`~callbacks.fallback.FallbackCallback` (if any)."""
-    from .fallback import FallbackCallback  # it imports this module
-
-    trainer = getattr(pl_module, "_trainer", None)
-    fallback = callback_of(trainer, FallbackCallback) if trainer is not None else None
-    return fallback.fallback_stopped() if fallback is not None else None
+def fallback_stopped(pl_module: L.LightningModule) -> dict | None:
+    """The fallback budget's stop (step, qualified, already, budget, diagnosis) of the module's fallback policy,
+    or None while it decides (or without one)."""
+    monitor = getattr(pl_module, "fallback_monitor", None)
+    return dict(monitor.stopped) if monitor is not None and monitor.stopped is not None else None
 
 
 # what saturation_summary.json's figures mean (its "definition" entry)
@@ -168,8 +159,7 @@ class AmaxSaturationCallback(PerOptimizerStep):
         self._measuring = False  # the quantized matmuls' health switch, as last set
         self.summary_path: str | None = None
         self.first_clipped_step: dict[str, int] = {}  # tensor -> first optimizer step that clipped
-        self.last_logged: StepStats | None = None  # the last step logged in full (the dashboard's heatmaps)
-        self._stats: StepStats | None = None  # the step record last read (step_stats: read once per step)
+        self.last_logged: StepRecord | None = None  # the last step logged in full (the dashboard's heatmaps)
 
     # the health figures live in the HealthLog; the checkpoint's state keys name them as before
     @property
@@ -213,10 +203,6 @@ class AmaxSaturationCallback(PerOptimizerStep):
             self.health_log.setup = headroom_setup(pl_module.model, self.headroom_grid,
                                                   getattr(quant, "block_pattern", DEFAULT_BLOCK_PATTERN), tensors)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._stats = None
-
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         # health is measured on the steps it is logged for: those completing step global_step + 1 (below)
         measure = self.health and self.logging_step(trainer, trainer.global_step + 1)
@@ -233,9 +219,10 @@ class AmaxSaturationCallback(PerOptimizerStep):
         step = self.completed_step(trainer)
         if step is None or step < 0:
             return
-        stats = self.step_stats(trainer, pl_module, step)
+        stats = step_record_of(pl_module, step)
         if stats is None:
             return
+        logged = self.logging_step(trainer, step + 1)
         for name, row in zip(stats.names, stats.rows):
             if row.clipped > 0:
                 self.first_clipped_step.setdefault(name, step)
@@ -243,24 +230,15 @@ class AmaxSaturationCallback(PerOptimizerStep):
         if stats.health:
             metrics.update(self.health_log.metrics(stats))
         if self.forecast is not None:
-            metrics.update(self._forecast_metrics(stats, trainer.is_global_zero))
-        if self.per_layer and stats.logged:
+            metrics.update(forecast_metrics(self.forecast, self._clip_headroom, stats, self.per_layer and logged,
+                                            trainer.is_global_zero))
+        if self.per_layer and logged:
             metrics.update(self._per_tensor_metrics(stats))
         self.log_at(trainer, metrics, step)  # not via self.log: on the step they describe, once
         pl_module.log("sat/clipped", metrics["sat/clipped"], on_step=True, prog_bar=True, logger=False)
         pl_module.log("sat/clipped_frac", metrics["sat/clipped_frac"], on_step=True, prog_bar=True, logger=False)
 
-    def step_stats(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> StepStats | None:
-        """Every quantized tensor's figures of optimizer step ``step`` (None: no quantized tensor), read on the
-        first call for the step and handed out again after (a collective: every rank asks in the same callback
-        order). A step logged in full had its health measured (on_train_batch_start)."""
-        if self._stats is None or self._stats.step != step:
-            pairs = named_scalers(pl_module.model)
-            logged = self.logging_step(trainer, step + 1)
-            self._stats = read_step(pairs, step, logged, self.health and logged) if pairs else None
-        return self._stats
-
-    def _per_tensor_metrics(self, stats: StepStats) -> dict[str, float]:
+    def _per_tensor_metrics(self, stats: StepRecord) -> dict[str, float]:
         """The logged step's per-tensor keys; the step kept for the dashboard's pictures (``last_logged``)."""
         self.last_logged = stats
         metrics = {}
@@ -270,10 +248,6 @@ class AmaxSaturationCallback(PerOptimizerStep):
                 metrics[f"a_hat/{name}"] = row.a_hat
                 metrics[f"sat/{name}/clipped_frac"] = row.clipped / row.numel
         return metrics
-
-    def _forecast_metrics(self, stats: StepStats, say: bool) -> dict[str, float]:
-        """The forecast's metrics of the step (:func:`.forecast_log.forecast_metrics`)."""
-        return forecast_metrics(self.forecast, self._clip_headroom, stats, self.per_layer and stats.logged, say)
 
     def _tensor_summaries(self, pl_module: L.LightningModule) -> tuple[dict[str, dict], dict[str, dict]]:
         """Each quantized tensor's run totals over all ranks (a collective), what-if counts, health and fallback
@@ -323,7 +297,7 @@ class AmaxSaturationCallback(PerOptimizerStep):
             "whatif": {algo: {key: sum(t["whatif"][algo][key] for t in tensors.values())
                               for key in ("clipped", "events")} for algo in WHATIF_ALGOS},
             "fallback": sorted(fallback.values(), key=lambda entry: entry.get("step", 0)),  # in the order decided
-            "fallback_stopped": _fallback_stopped(pl_module),
+            "fallback_stopped": fallback_stopped(pl_module),
             "headroom": self.headroom_last,
             "forecast": self.forecast.scored() if self.forecast is not None else None,
             "health_worst": [{"tensor": name, "worst_sqnr_db": finite_or_none(w["sqnr_db"]), "step": w["step"],

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from qat_app.hif8 import (FallbackMonitor, FallbackPolicy, HiF8Recipe, LayerSelection, convert_to_hif8_training,
-                          end_warmup, fallback_step, start_warmup, sync_and_advance)
+                          end_warmup, start_warmup, sync_and_advance)
 
 
 def run(model_name=None, steps=12, warmup=4, lr=1e-5, batch=2, seq_len=32, history_len=64, high_precision_layers=5,
@@ -46,15 +46,15 @@ def run(model_name=None, steps=12, warmup=4, lr=1e-5, batch=2, seq_len=32, histo
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if sync_and_advance(model, nonfinite=~torch.isfinite(loss)):  # once per optimizer step
+        record = sync_and_advance(model, nonfinite=~torch.isfinite(loss), step=step, fallback=monitor)  # once a step
+        for decision in record.fallback:  # the policy decided on this step's counters, after the scalers advanced
+            print(f"fallback: {decision['module']}.{decision['operand']} -> {decision['target']} "
+                  f"({decision['reason']}: {decision['evidence']})")
+        if record.skipped:
             optimizer.zero_grad(set_to_none=True)  # a NaN/inf step is skipped, its amax discarded
             continue
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if monitor is not None:  # after the scalers advanced: this step's counters decide
-            for decision in fallback_step(model, monitor, step):
-                print(f"fallback: {decision['module']}.{decision['operand']} -> {decision['target']} "
-                      f"({decision['reason']}: {decision['evidence']})")
         losses.append(float(loss))
         print(f"step {step} {'QAT' if step >= warmup else 'warmup'} loss {losses[-1]:.4f}")
     return model, losses

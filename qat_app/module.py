@@ -32,12 +32,15 @@ from .config import QuantConfig, QuantConfigError
 from .distill import DISTILL_CE, DISTILL_KL, DistillConfig, Teacher
 from .errors import ConfigError, QATError
 from .models import EMBEDDED_MODEL, load_causal_lm
+from .precision import COMPUTE_DTYPES
 from .config import quantize_model
 from .eval.records import scored_line, write_benchmark_records
 from .hif8.patch import QuantReport, quantized_block_range, quantized_linears
 from .fsdp import grad_norm as global_grad_norm
 from .fsdp import local_tensors, shard_model
 from .flops import FlopsModel
+from .hif8.fallback import FallbackMonitor
+from .hif8.step_record import StepRecord
 from .hif8.training import resolve_gemms, sync_and_advance
 
 log = logging.getLogger(__name__)
@@ -145,8 +148,13 @@ class QATModule(L.LightningModule):
         self.register_buffer("skipped_steps", torch.zeros((), dtype=torch.long))
         self.consecutive_nonfinite = 0  # checkpointed (on_save_checkpoint)
         self._loss_nonfinite: torch.Tensor | None = None  # device flag over the micro-batches of a step
+        self._loss_sum: torch.Tensor | None = None  # the step's loss over its micro-batches, on the device
+        self._micro_batches = 0
+        # the last optimizer step's record (qat_app.hif8.step_record), read once by the core: what every
+        # per-step callback reads; the fallback policy's monitor, when a FallbackCallback runs one
+        self.step_record: StepRecord | None = None
+        self.fallback_monitor: FallbackMonitor | None = None
         self._step_grad_norm: torch.Tensor | None = None
-        self.last_grad_norm: torch.Tensor | None = None  # the last optimizer step's (device tensor; callbacks.alarms)
         self.evaluator = None  # built lazily when benchmark batches arrive
         self._flops = FlopsModel(self.model)
         self._batch_shape: tuple[int, int] | None = None  # (sequences, tokens per sequence) of the last batch
@@ -185,8 +193,6 @@ class QATModule(L.LightningModule):
     def on_fit_start(self) -> None:
         resolve_gemms(self.model, self.device)
         if self.teacher is not None:  # not a registered module: Lightning does not move it; in the compute dtype
-            from .export.qat_checkpoint import COMPUTE_DTYPES  # (that module reads QATModule checkpoints)
-
             self.teacher.to(self.device, getattr(torch, COMPUTE_DTYPES.get(str(self.trainer.precision), "float32")))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -201,13 +207,15 @@ class QATModule(L.LightningModule):
         # device-side flag over the micro-batches of this optimizer step (no host sync here)
         bad = ~torch.isfinite(loss.detach())
         self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
+        share = loss.detach() / self.trainer.accumulate_grad_batches  # what Lightning's closure backpropagates
+        self._loss_sum = share if self._loss_sum is None else self._loss_sum + share
+        self._micro_batches += 1
         self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grad_norm = global_grad_norm(_gradients(optimizer), self.device)
         self._step_grad_norm = grad_norm  # reused by configure_gradient_clipping
-        self.last_grad_norm = grad_norm.detach()  # read once per step with the loss by callbacks.alarms (no extra sync)
         self.log("train/grad_norm", grad_norm, on_step=True)
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, prog_bar=True)
         bad = ~torch.isfinite(grad_norm)
@@ -215,12 +223,22 @@ class QATModule(L.LightningModule):
             bad = bad | self._loss_nonfinite.to(bad.device)
         self._loss_nonfinite = None
         # the recipe's per-step protocol: one collective (step amax + the bad-step flag, so all ranks agree),
-        # then advance every scaler and release the weight caches, or discard the step's observations
-        if not sync_and_advance(self.model, nonfinite=bad):
+        # then advance every scaler and release the weight caches, or discard the step's observations; the
+        # step's record read once for every callback (the fallback policy decides on it)
+        self.step_record = sync_and_advance(self.model, nonfinite=bad, step=self.global_step, read=True,
+                                            loss=self._step_loss(), grad_norm=grad_norm.detach(),
+                                            fallback=self.fallback_monitor)
+        if not self.step_record.skipped:
             self.consecutive_nonfinite = 0
         else:
             self._skip_step(optimizer)
         self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
+
+    def _step_loss(self) -> torch.Tensor | None:
+        """The step's loss on this rank: the mean over its micro-batches (None when none ran)."""
+        loss_sum, micro = self._loss_sum, self._micro_batches
+        self._loss_sum, self._micro_batches = None, 0
+        return None if loss_sum is None else loss_sum.double() * (self.trainer.accumulate_grad_batches / micro)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by norm with the norm already computed in ``on_before_optimizer_step``.

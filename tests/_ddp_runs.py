@@ -52,7 +52,7 @@ class WeightCodes(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         from benchmarks.gpu_export_check import training_codes
-        from qat_app.export.qat_checkpoint import COMPUTE_DTYPES
+        from qat_app.precision import COMPUTE_DTYPES
 
         codes = training_codes(pl_module, compute=getattr(torch, COMPUTE_DTYPES[str(trainer.precision)]))
         if trainer.global_rank == 0:

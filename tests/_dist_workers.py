@@ -54,7 +54,8 @@ def sync_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def saturation_counts_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Each rank runs a HiF8Linear on its half of one global batch (with planted outliers) for two
     optimizer steps; the saturation callback's gather sums the counts over the ranks."""
-    from callbacks.saturation import COUNT_FIELDS, FIELDS, TOTAL_COUNT_FIELDS, TOTAL_FIELDS, named_scalers
+    from callbacks.saturation import TOTAL_COUNT_FIELDS, TOTAL_FIELDS
+    from qat_app.hif8.step_record import COUNT_FIELDS, FIELDS, named_scalers
     from qat_app.hif8.counters import gather
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -166,7 +167,7 @@ def equivalence_worker(rank: int, world: int, mode: str, init_file: str, out_dir
                     dist.all_reduce(kl)
                 kls.append(float(kl) / world)
             loss.backward()
-            skipped = sync_and_advance(model, nonfinite=~torch.isfinite(loss.detach()))
+            skipped = sync_and_advance(model, nonfinite=~torch.isfinite(loss.detach())).skipped
             assert not skipped
             if step == 0:
                 end_warmup(model)

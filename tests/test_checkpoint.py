@@ -20,6 +20,7 @@ from qat_app.sharded_checkpoint import LIGHTNING_META_FILE
 from qat_app.errors import CheckpointError, UnsafeFileError
 from qat_app.export import WEIGHTS_FILE, load_qat_checkpoint
 from qat_app.export import main as export_main
+from qat_app.hif8.fallback_targets import FallbackDecision
 from tests._tiny_models import save_qat_checkpoint, write_sharded
 
 FALLBACK = {"target": "current", "step": 3, "reason": "saturation", "evidence": "5 events in 8 steps"}
@@ -47,7 +48,7 @@ def test_a_sharded_directory_reads_back_whole(file_and_dir):
     extra = read["state_dict"][f"{LAYER}._extra_state"]
     assert extra["fallback"] == {"input": FALLBACK} and extra["quantize_weights"] is True
     module = load_qat_checkpoint(directory)  # the extra state loads: the decision is the layer's again
-    assert module.model.get_submodule(LAYER.removeprefix("model.")).fallback == {"input": FALLBACK}
+    assert module.model.get_submodule(LAYER.removeprefix("model.")).fallback == {"input": FallbackDecision.from_dict(FALLBACK)}
 
 
 def test_export_of_the_directory_equals_export_of_the_file(file_and_dir, tmp_path):

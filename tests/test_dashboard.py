@@ -16,10 +16,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 import main as cli
-from callbacks import AmaxSaturationCallback, MemoryMonitor, TensorBoardDashboard, step_stats
+from callbacks import AmaxSaturationCallback, MemoryMonitor, TensorBoardDashboard
 from callbacks.dashboard import LAYOUT, PER_TENSOR, layout_for
 from callbacks.memory import GRADS_MB, MIB, OPTIMIZER_MB, PARAMS_MB, RSS_MB, tensor_bytes
 from qat_app.hif8 import fallback as core_fallback
+from qat_app.hif8 import step_record
 from tests._cli_runs import TINY_BENCHMARKS, WARMUP, write_config
 
 LAYOUT_TAG = "custom_scalars__config__"  # where SummaryWriter.add_custom_scalars puts the layout
@@ -71,7 +72,7 @@ def tensorboard_fit(module_tmp, tiny_model_dir, tiny_corpus):
         return gather
 
     with pytest.MonkeyPatch.context() as patch:  # who reads the scalers' buffers, and how often
-        patch.setattr(step_stats, "gather_columns", counted("step record", step_stats.gather_columns))
+        patch.setattr(step_record, "gather_columns", counted("step record", step_record.gather_columns))
         patch.setattr(core_fallback, "gather_columns", counted("fallback's own", core_fallback.gather_columns))
         run = cli.cli_main(["fit", "--config", config])
     run.scaler_reads = reads
@@ -80,8 +81,9 @@ def tensorboard_fit(module_tmp, tiny_model_dir, tiny_corpus):
 
 @pytest.mark.slow
 def test_one_step_record_per_optimizer_step_serves_every_callback(tensorboard_fit):
-    """Saturation, fallback, alarms and the dashboard share one read of the scalers per optimizer step: the
-    fallback reads its own counters once, at fit start (its evidence's starting point), never per step."""
+    """Saturation, fallback, alarms and the dashboard share the core's one read of the scalers per optimizer step
+    (the module's step record): the fallback reads its own counters once, at fit start (its evidence's starting
+    point), never per step."""
     run, _ = tensorboard_fit
     assert run.scaler_reads == {"step record": STEPS, "fallback's own": 1}
     saturation = next(c for c in run.trainer.callbacks if isinstance(c, AmaxSaturationCallback))

@@ -85,7 +85,8 @@ def test_ddp_resume_restores_every_rank(ddp_run, tmp_path, tiny_model_dir, tiny_
 
 def test_saturation_counts_are_summed_over_ranks(tmp_path):
     """2 gloo processes, each with half of the batch, report what one process reports on all of it."""
-    from callbacks.saturation import COUNT_FIELDS, FIELDS, TOTAL_COUNT_FIELDS, TOTAL_FIELDS, named_scalers
+    from callbacks.saturation import TOTAL_COUNT_FIELDS, TOTAL_FIELDS
+    from qat_app.hif8.step_record import COUNT_FIELDS, FIELDS, named_scalers
     from qat_app.hif8.counters import gather
     from qat_app.hif8.scaler_bank import sync_step_amax
     from tests._dist_workers import saturation_batch, saturation_counts_worker, saturation_model

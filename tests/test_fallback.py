@@ -27,7 +27,7 @@ from callbacks.fallback import FALLBACK_METRIC
 from qat_app.errors import ConfigError
 from qat_app.export import export_hif8, load_hif8
 from qat_app.hif8 import HiF8Recipe, LayerSelection, RuntimeOptions, convert_to_hif8_training, quantized_linears
-from qat_app.hif8.fallback import (LOW_SQNR, SATURATION, FallbackError, FallbackMonitor, FallbackPolicy, fallback_step,
+from qat_app.hif8.fallback import (LOW_SQNR, SATURATION, FallbackError, FallbackMonitor, FallbackPolicy,
                                    fallen_back)
 from qat_app.hif8.inventory import inventory_lines, quantization_inventory
 from qat_app.hif8.linear import HiF8Linear
@@ -243,8 +243,7 @@ def test_a_planted_saturating_layer_falls_back_and_nothing_else_does(tiny_model_
         if step == 2:
             end_warmup(model)
         model(input_ids=ids, labels=ids).loss.backward()
-        sync_and_advance(model)
-        new += fallback_step(model, monitor, step)
+        new += sync_and_advance(model, step=step, fallback=monitor).fallback  # decided on the step's record
     assert [(d["module"], d["operand"], d["step"]) for d in new] == [(planted, "input", 4)]  # 3 events: steps 2-4
     assert new[0]["evidence"] == "saturation events in 3 of its last 3 quantized steps (k=3, W=4)"
     assert [{k: v for k, v in d.items() if k != "verified"} for d in fallen_back(model)] == new

@@ -22,12 +22,14 @@ import torch
 
 import main as cli
 from callbacks import FallbackCallback
+from callbacks.saturation import fallback_stopped
 from qat_app.errors import ConfigError
 from qat_app.export import export_hif8, load_hif8
 from qat_app.hif8 import HiF8Recipe, RuntimeOptions
 from qat_app.hif8.fallback import (LOW_SQNR, SATURATION, FallbackError, FallbackMonitor, FallbackPolicy,
                                    check_reachable_floor, fallen_back, pending_verification, verify_decisions)
 from qat_app.hif8.fallback_summary import group_decisions, summary_lines
+from qat_app.hif8.fallback_targets import Verdict
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.sqnr_bound import gaussian_sqnr_bound
 from qat_app.hif8.training import sync_and_advance
@@ -172,19 +174,21 @@ def test_verification_says_when_a_remedy_worked_and_when_it_did_not():
     assert verify_decisions(tensors, policy, *counters([4, 0], [6, 6]), None, 5) == []  # the deciding step itself
     done = verify_decisions(tensors, policy, *counters([4, 0], [7, 6]), torch.tensor([30.5, math.nan]), 6)
     assert [d["operand"] for d in done] == ["weight"]  # high precision: at the next step
-    assert layer.fallback["weight"]["verified"] == {"step": 6, "worked": True,
-                                                    "text": "unquantized since: no 8-bit error, nothing clipped"}
-    assert pending_verification(layer.fallback["input"]) == "pending: fewer quantized steps since than the window"
+    assert layer.fallback["weight"].verified == Verdict(6, True, "unquantized since: no 8-bit error, nothing clipped")
+    assert layer.fallback["weight"].as_dict()["verified"] == {"step": 6, "worked": True,
+                                                              "text": "unquantized since: no 8-bit error, nothing clipped"}
+    assert pending_verification(layer.fallback["input"].as_dict()) == "pending: fewer quantized steps since than the window"
+    assert layer.fallback["input"].sqnr_after == 30.5  # measured while its window fills
     done = verify_decisions(tensors, policy, *counters([6, 0], [9, 6]), None, 8)  # 2 more events in 3 steps
-    assert layer.fallback["input"]["verified"] == {
-        "step": 8, "worked": False, "text": "2 saturation events in the 3 quantized steps since; SQNR 24.00 -> 30.50 dB"}
+    assert layer.fallback["input"].verified == Verdict(
+        8, False, "2 saturation events in the 3 quantized steps since; SQNR 24.00 -> 30.50 dB")
     lines = summary_lines([{"tensor": "layers.1.mlp.up_proj." + d["operand"], **d} for d in fallen_back_of(layer)])
     assert "              1 persistent saturation -> current scaling (block 1; input 1; step 5): 1 DID NOT WORK" in lines
     assert pending_verification({"step": 3, "target": "current"}).startswith("not verified")  # an earlier version's record
 
 
 def fallen_back_of(layer) -> list[dict]:
-    return [{"module": "m", "operand": op, **record} for op, record in layer.fallback.items()]
+    return [{"module": "m", "operand": op, **decision.as_dict()} for op, decision in layer.fallback.items()]
 
 
 def test_the_summary_groups_150_decisions_in_a_few_lines():
@@ -275,7 +279,7 @@ def test_the_default_budget_stops_a_cascade_with_its_diagnosis(tmp_path, tiny_mo
     with caplog.at_level(logging.WARNING, logger="callbacks.fallback"):
         trainer = cli.cli_main(["fit", "--config", _config(tmp_path, tiny_model_dir, tiny_corpus, sqnr_floor_db=31.5,
                                                            sqnr_patience=2)]).trainer
-    stopped = next(c for c in trainer.callbacks if isinstance(c, FallbackCallback)).fallback_stopped()
+    stopped = fallback_stopped(trainer.lightning_module)
     assert stopped is not None and stopped["budget"] == 3 and stopped["qualified"] + stopped["already"] > 3
     assert len(fallen_back(trainer.lightning_module.model)) == stopped["already"] <= 3
     assert "the recipe, not a few tensors, is the problem" in caplog.text and "under the SQNR floor" in caplog.text

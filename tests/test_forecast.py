@@ -172,7 +172,9 @@ def test_a_killed_and_resumed_fit_forecasts_what_the_uninterrupted_one_does(tmp_
 def test_the_callback_says_a_new_warning_once_on_one_rank_and_logs_the_risk(caplog):
     import logging
 
-    from callbacks.saturation import AmaxSaturationCallback, StepRow, StepStats
+    from callbacks.forecast_log import forecast_metrics
+    from callbacks.saturation import AmaxSaturationCallback
+    from qat_app.hif8.step_record import StepRecord, StepRow
 
     # the planted outlier's headroom a_hat / amax = exp(-c (2t - 1)), a little scatter on it, steps 40 .. 79
     headrooms = [math.exp(-2e-4 * (2 * t - 1)) * (1 + (3e-4 if t % 2 else -3e-4)) for t in range(40, 80)]
@@ -182,8 +184,8 @@ def test_the_callback_says_a_new_warning_once_on_one_rank_and_logs_the_risk(capl
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="callbacks.saturation"):
             for k, h in enumerate(headrooms):
-                stats = StepStats(40 + k, (("x", None),), (StepRow(1.0, h, h, 0, 4096),), {}, True, False)
-                metrics = callback._forecast_metrics(stats, say)
+                stats = StepRecord(40 + k, False, (("x", None),), (StepRow(1.0, h, h, 0, 4096),), {})
+                metrics = forecast_metrics(callback.forecast, callback._clip_headroom, stats, True, say)
         lines = [r.getMessage() for r in caplog.records if "saturation forecast" in r.getMessage()]
         assert len(lines) == (1 if say else 0)
         assert callback.forecast.warnings and metrics["forecast/at_risk"] == 1.0 and "forecast/x/slope_per_window" in metrics

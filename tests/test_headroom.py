@@ -121,7 +121,8 @@ def test_digest_suggests_per_operand_only_where_it_pays_and_never_more_clipping(
 def test_the_callback_names_its_bad_settings():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from callbacks.saturation import AmaxSaturationCallback, headroom_setup
+    from callbacks.health_log import headroom_setup
+    from callbacks.saturation import AmaxSaturationCallback
     from qat_app.config import QuantConfig, quantize_model
     from qat_app.errors import ConfigError
 

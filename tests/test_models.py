@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import time
 
 import pytest
 import torch
 
-
-from qat_app import models  # noqa: E402
-from qat_app.models import embedded  # noqa: E402
-from qat_app.models import EMBEDDED_MODEL, load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
+from qat_app import models
+from qat_app.models import embedded
+from qat_app.models import EMBEDDED_MODEL, load_causal_lm, load_tokenizer, resolve_dtype
 
 ENGLISH = (
     "Paris is the capital and most populous city of France. It is located on the Seine river, in the north of "

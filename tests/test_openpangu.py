@@ -21,12 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-
-from qat_app import openpangu  # noqa: E402
-from qat_app.config import QuantConfig, quantize_model  # noqa: E402
-from qat_app.hif8.linear import HiF8Linear  # noqa: E402
-from qat_app.models import load_causal_lm, load_tokenizer  # noqa: E402
-from tests._paper_layout import assert_paper_layout  # noqa: E402
+from qat_app import openpangu
+from qat_app.config import QuantConfig, quantize_model
+from qat_app.hif8.linear import HiF8Linear
+from qat_app.models import load_causal_lm, load_tokenizer
+from tests._paper_layout import assert_paper_layout
 
 # shared/ lies beside the checkout (as CI lays it out); OPENPANGU_FIXTURE overrides
 FIXTURE = Path(os.environ.get(

@@ -84,7 +84,7 @@ def test_a_finite_step_advances_every_scaler_once(nonfinite):
         before = snapshot(model)
         assert all(b["step_seen"] > 0 for b in before)  # every tensor was seen this step: nothing vacuous
         expected = [expected_after_advance(b, s.max_val, s.margin) for b, s in zip(before, scalers)]
-        assert sync_and_advance(model, nonfinite=nonfinite) is False
+        assert sync_and_advance(model, nonfinite=nonfinite).skipped is False
         assert_state(model, expected)
         assert all(int(s.steps_recorded) == step + 1 for s in scalers)
         assert all(float(s.step_amax) == 0 and float(s.step_seen) == 0 for s in scalers)  # next step starts afresh
@@ -104,7 +104,7 @@ def test_a_nonfinite_step_is_skipped_and_its_observations_discarded(flag):
     spiked = scalers[0]
     spiked.observe(torch.tensor(1e6), None, 1)  # the spike a bad step would bring: must not reach any history
     before = snapshot(model)
-    assert sync_and_advance(model, nonfinite=flag) is True
+    assert sync_and_advance(model, nonfinite=flag).skipped is True
     assert_state(model, [{k: b[k] for k in STATE} for b in before])  # nothing moved, nothing recorded
     assert all(int(s.steps_recorded) == 1 for s in scalers)
     assert all(float(s.step_amax) == 0 and float(s.step_seen) == 0 for s in scalers)
@@ -114,7 +114,7 @@ def test_a_nonfinite_step_is_skipped_and_its_observations_discarded(flag):
     before = snapshot(model)
     assert float(before[0]["step_amax"]) < 1e6
     expected = [expected_after_advance(b, s.max_val, s.margin) for b, s in zip(before, scalers)]
-    assert sync_and_advance(model, nonfinite=torch.tensor(False)) is False
+    assert sync_and_advance(model, nonfinite=torch.tensor(False)).skipped is False
     assert_state(model, expected)
     assert float(spiked.amax_history.max()) < 1e6 and all(int(s.steps_recorded) == 2 for s in scalers)
 
@@ -125,7 +125,7 @@ def test_the_weight_codes_cache_is_released():
     for step in range(2):  # the first step quantizes with current scaling, the second with the delayed scale
         forward_backward(model, seed=step)
         assert all(m._weight_cache is not None for m in layers), step  # made by the forward, held until the sync
-        assert sync_and_advance(model) is False
+        assert sync_and_advance(model).skipped is False
         assert all(m._weight_cache is None for m in layers), step
         model.zero_grad()
 
@@ -155,8 +155,8 @@ def test_data_parallel_path_is_one_max_all_reduce_per_step(one_process_group, mo
 
     # one process in the group: not data parallel, no collective
     forward_backward(plain, seed=0), forward_backward(parallel, seed=0)
-    assert sync_and_advance(parallel, nonfinite=torch.tensor(False)) is False
-    assert sync_and_advance(plain, nonfinite=torch.tensor(False)) is False
+    assert sync_and_advance(parallel, nonfinite=torch.tensor(False)).skipped is False
+    assert sync_and_advance(plain, nonfinite=torch.tensor(False)).skipped is False
     assert calls == []
 
     # the group says 2 ranks: the data-parallel path (here over the one real rank, so MAX is the identity)
@@ -166,8 +166,8 @@ def test_data_parallel_path_is_one_max_all_reduce_per_step(one_process_group, mo
         forward_backward(plain, seed=step), forward_backward(parallel, seed=step)
         with monkeypatch.context() as m:  # the reference run stays on the one-process path
             m.setattr(dist, "get_world_size", lambda group=None: 1)
-            assert sync_and_advance(plain, nonfinite=torch.tensor(False)) is False
-        assert sync_and_advance(parallel, nonfinite=torch.tensor(False)) is False
+            assert sync_and_advance(plain, nonfinite=torch.tensor(False)).skipped is False
+        assert sync_and_advance(parallel, nonfinite=torch.tensor(False)).skipped is False
         # one MAX all-reduce per step on one flat buffer: (step amax, seen, clipped, what-if clipped) per scaler
         # + the skip flag
         assert calls == [(SYNC_WIDTH * n + 1, dist.ReduceOp.MAX)] * step
@@ -179,9 +179,9 @@ def test_data_parallel_path_is_one_max_all_reduce_per_step(one_process_group, mo
     parallel.zero_grad()
     forward_backward(parallel, seed=3)
     before = snapshot(parallel)
-    assert sync_and_advance(parallel, nonfinite=torch.tensor(True)) is True
+    assert sync_and_advance(parallel, nonfinite=torch.tensor(True)).skipped is True
     assert len(calls) == 3
     assert_state(parallel, [{k: b[k] for k in STATE} for b in before])
     # without a flag there is nothing to decide: still one collective, never a skip
     forward_backward(parallel, seed=4)
-    assert sync_and_advance(parallel) is False and len(calls) == 4 and calls[-1][0] == SYNC_WIDTH * n
+    assert sync_and_advance(parallel).skipped is False and len(calls) == 4 and calls[-1][0] == SYNC_WIDTH * n

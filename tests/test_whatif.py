@@ -279,7 +279,7 @@ def dp_batch(step: int) -> torch.Tensor:
 def dp_steps(model, world: int, rank: int, steps: int = 2):
     """``steps`` optimizer steps of the global batch (this rank's share), health measured on the last; ->
     the saturation callback's gathered figures per step (counts summed over the ranks) and its run totals."""
-    from callbacks.saturation import FIELDS, WHATIF_COUNT, named_scalers
+    from qat_app.hif8.step_record import FIELDS, WHATIF_COUNT, named_scalers
     from qat_app.hif8.counters import HEALTH, gather_columns
     from qat_app.hif8.quantized import set_health_measurement
     from qat_app.hif8.scaler_bank import sync_step_amax

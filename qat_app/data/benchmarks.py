@@ -29,9 +29,10 @@ from qat_app.data.batching import limited_batches
 from qat_app.errors import ConfigError
 from qat_app.eval.dataset import BenchmarkDataset, tokenize_examples
 from qat_app.eval.examples import MultipleChoiceExample, load_task_examples
+from qat_app.eval.harness_examples import lm_eval_examples
 from qat_app.eval.layout import BenchmarkCollator
 from qat_app.eval.mmlu import MMLU_SUBJECT_CATEGORIES, validate_mmlu_subjects
-from qat_app.eval.tasks import TASK_NAMES
+from qat_app.eval.tasks import TASK_NAMES, is_builtin
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +239,12 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         tokenizer = self.tokenizer
         provenance = []
         for task in self.tasks:
-            examples, lines = load_task_examples(
-                task, self.num_fewshot[task], self.limits[task], self.seed, self.source, self.mmlu_subjects,
-                self.limit_mode, self.doc_ids,
-            )
+            if is_builtin(task):
+                examples, lines = load_task_examples(task, self.num_fewshot[task], self.limits[task], self.seed,
+                                                     self.source, self.mmlu_subjects, self.limit_mode, self.doc_ids)
+            else:
+                examples, lines = lm_eval_examples(task, self.num_fewshot[task], self.limits[task], self.seed,
+                                                   self.source, self.limit_mode, self.doc_ids)
             tokenized = tokenize_examples(examples, tokenizer, self.max_length, self.pack_choices)
             self.datasets[task] = BenchmarkDataset(task, examples, tokenized, group_by_subject=self.share_prefix)
             provenance += lines

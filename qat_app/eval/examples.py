@@ -14,7 +14,7 @@ from typing import Any
 from qat_app.eval.mmlu import mmlu_description, validate_mmlu_subjects
 from qat_app.eval.sources import load_split
 from qat_app.eval.spec import FEWSHOT_SEED, TARGET_DELIMITER, TaskSpec, build_prompt
-from qat_app.eval.tasks import is_builtin, task_spec
+from qat_app.eval.tasks import task_spec
 
 
 @dataclass(frozen=True)
@@ -133,13 +133,10 @@ def load_task_examples(
     limit_mode: str = "sample",
     doc_ids: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[list[MultipleChoiceExample], list[str]]:
-    """All examples of a task (for MMLU: of the chosen subjects, ``limit`` applying per subject like
-    lm-eval's per-subtask limit) and a provenance line per loaded split. ``doc_ids``: indices per task name
+    """All examples of a task with a module of its own (for MMLU: of the chosen subjects, ``limit`` applying per
+    subject like lm-eval's per-subtask limit) and a provenance line per loaded split; any other task's come from
+    :func:`~qat_app.eval.harness_examples.lm_eval_examples`. ``doc_ids``: indices per task name
     (``mmlu_<subject>`` for an MMLU subject, lm-eval's subtask names)."""
-    if not is_builtin(task):
-        from qat_app.eval.harness_examples import lm_eval_examples
-
-        return lm_eval_examples(task, num_fewshot, limit, seed, source, limit_mode, doc_ids)
     spec = task_spec(task)
     subjects: list[str | None] = list(validate_mmlu_subjects(mmlu_subjects)) if task == "mmlu" else [None]
     examples: list[MultipleChoiceExample] = []

@@ -36,7 +36,7 @@ def _precision_dtype(precision: str | None):
     """The dtype a Lightning precision computes in (None: float32 or unknown)."""
     import torch
 
-    from ..export.qat_checkpoint import PRECISION_DTYPES
+    from ..precision import PRECISION_DTYPES
 
     dtype = PRECISION_DTYPES.get(str(precision))
     return None if dtype in (None, "float32") else getattr(torch, dtype)

@@ -18,12 +18,12 @@ import torch
 from ..cli_errors import ProgramParser, unknown_flags_line
 from ..errors import QATError
 from ..hif8.inventory import INVENTORY_FILE, inventory_summary
-from .compressed import FORMAT_NAME, export_compressed_tensors, summary_line
+from .compressed import FORMAT_NAME
+from .formats import FORMATS, export_format
 from .serve_targets import DEFAULT_SERVE_TARGET, SERVE_TARGETS
-from .hf import export_hf
-from .layout import ExportError, checkpoint_bytes
+from .layout import ExportError
 from .qat_checkpoint import load_qat_checkpoint, run_compute_dtype, run_dtype
-from .writer import export_hif8
+from .writing import write_export
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m qat_app.export") -> int:
@@ -50,7 +50,7 @@ def export_parser(prog: str) -> ProgramParser:
     parser.add_argument("--ckpt_path", required=True, metavar="FILE|DIR", help="Lightning checkpoint of a QATModule: a "
                         ".ckpt file, or the directory of a sharded (FSDP2) one, read whole (also --ckpt, deprecated)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --overwrite)")
-    parser.add_argument("--format", choices=("hif8", "hf", FORMAT_NAME), default="hif8",
+    parser.add_argument("--format", choices=tuple(FORMATS), default="hif8",
                         help="hif8: the 8-bit HiF8 checkpoint (exact reloads); hf: plain Hugging Face; "
                              f"{FORMAT_NAME}: FP8 E4M3 for vLLM / transformers")
     parser.add_argument("--dtype", default=None,
@@ -112,31 +112,21 @@ def run_export(args: argparse.Namespace, lightning_args: list[str]) -> None:
             resolve_dtype(value, field=flag)
     if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
         raise FileExistsError(f"{args.out} already exists and is not empty; pass --overwrite to replace it")
+    fmt = export_format(args.format, args.serve_target)
+    options = fmt.options(args)
     module = load_qat_checkpoint(args.ckpt_path, weights_only=args.weights_only, trust_remote_code=args.trust_remote_code)
     storage, why = run_dtype(module)
-    if args.format != "hf":
+    if fmt.run_dtype:
         _say_storage(args.dtype, storage, why)
-    if args.format != "hf" or args.hf_weights == "quantized":
-        args.compute_dtype = _compute_dtype(module, args.compute_dtype)
-    if args.format == "hif8":
-        layout = export_hif8(module, args.out, dtype=args.dtype or storage, compute_dtype=args.compute_dtype,
-                             overwrite=args.overwrite)
-        print(f"wrote {args.out}: {len(layout['quantized_layers'])} HiF8 layers, "
-              f"{layout['weights_file_bytes'] / 2**20:.1f} MiB ({layout['bytes']['codes'] / 2**20:.1f} MiB of codes)")
-    elif args.format == "hf":
-        export_hf(module, args.out, weights=args.hf_weights, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                  overwrite=args.overwrite)
-        print(f"wrote {args.out}: {checkpoint_bytes(args.out) / 2**20:.1f} MiB")
-    else:
-        device = _compare_device(args.compare_device) if args.compare else None
-        datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
-        report = export_compressed_tensors(module, args.out, dtype=args.dtype or storage,
-                                           compute_dtype=args.compute_dtype, overwrite=args.overwrite,
-                                           serve_target=args.serve_target)
-        print(summary_line(args.out, report))
-        if datamodule is not None:
-            _compare(module, args.out, datamodule, args.compare_batches, device,
-                     resolve_dtype(args.compare_dtype, field="--compare_dtype"), run_floor(lightning_args))
+    compute_dtype = _compute_dtype(module, args.compute_dtype) if fmt.computes_codes(options) else args.compute_dtype
+    device = _compare_device(args.compare_device) if args.compare else None
+    datamodule = _datamodule(lightning_args) if args.compare else None  # bad data flags before any writing
+    report = write_export(fmt, module, args.out, dtype=args.dtype or (storage if fmt.run_dtype else None),
+                          compute_dtype=compute_dtype, overwrite=args.overwrite, **options)
+    print(fmt.summary(args.out, report))
+    if datamodule is not None:
+        _compare(module, args.out, datamodule, args.compare_batches, device,
+                 resolve_dtype(args.compare_dtype, field="--compare_dtype"), run_floor(lightning_args))
     inventory = Path(args.out) / INVENTORY_FILE
     if inventory.is_file():
         print(f"{inventory_summary(json.loads(inventory.read_text()))} [{inventory}]")

@@ -88,13 +88,13 @@ class StagingDir:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def save_inventory(module_or_model, directory: Path) -> dict | None:
-    """``quantized_modules.json`` (:mod:`qat_app.hif8.inventory`) of a QATModule's model: what the export holds in
-    8 bits and why the rest is not; None (nothing written) for a bare model, whose layer selection is not known."""
-    quant = getattr(module_or_model, "quant", None)
-    if quant is None or not hasattr(module_or_model, "model"):
+def save_inventory(source, directory: Path) -> dict | None:
+    """``quantized_modules.json`` (:mod:`qat_app.hif8.inventory`) of an export source's model (:mod:`.source`): what
+    the export holds in 8 bits and why the rest is not; None (nothing written) for a bare model, whose layer
+    selection is not known."""
+    if source.selection is None:
         return None
-    inventory = quantization_inventory(module_or_model.model, quant.selection)
+    inventory = quantization_inventory(source.model, source.selection)
     (Path(directory) / INVENTORY_FILE).write_text(json.dumps(inventory, indent=1))
     return inventory
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 import logging
 import os
 from pathlib import Path
@@ -29,13 +30,13 @@ from ..hif8.fake_quant import dequantize_codes
 from ..hif8.fp8_gemm import E4M3_MAX, e4m3_decode_scale, grid_to_e4m3, shift_for
 from ..hif8.linear import HiF8Linear
 from ..hif8.patch import dequantize_model, quantized_linears
-from .common import StagingDir, save_inventory
 from .hf import set_quantized_weights
 from .layout import ExportError, checkpoint_bytes, dtype_name
 from .int8 import int8_summary, int8_totals, int8_weight
 from .serve_targets import DEFAULT_SERVE_TARGET, SERVE_TARGETS, ServeTarget
-from .source import ExportSource, WeightCodes, export_source
+from .source import ExportSource, WeightCodes
 from .writer import why_dense
+from .writing import ExportFormat, write_export
 
 log = logging.getLogger("qat_app.export")
 
@@ -85,8 +86,8 @@ def _scheme_of(name: str, layer: HiF8Linear, target: ServeTarget) -> tuple[str |
     if not layer.quantize_weights:
         return None, why_dense(layer)
     if not layer.quantize_activations:
-        record = layer.fallback.get("input")
-        why = (f"its input fell back to high precision at step {record.get('step')}" if record
+        decision = layer.fallback.get("input")
+        why = (f"its input fell back to high precision at step {decision.step}" if decision
                else "input quantization is off")
         if not target.weight_only_kernel:
             return None, (f"{why}; vLLM's CPU platform has no 8-bit weight-only (W8A16) kernel, so --serve_target "
@@ -387,13 +388,17 @@ def export_compressed_tensors(
             serves on CUDA and, slowly, on the CPU), ``cuda`` (FP8, the trained static input scales; vLLM's CUDA
             kernels) or ``cpu`` (int8 weights and per-token inputs, :mod:`.int8`: what vLLM serves fast on a CPU).
     """
-    source = export_source(module_or_model, tokenizer, dtype, compute_dtype, dtype_field="--dtype",
-                           compute_dtype_field="--compute_dtype")
-    model, tokenizer, info, storage_dtype = source.model, source.tokenizer, source.info, source.storage_dtype
+    fmt = INT8_EXPORT if check_serve_target(serve_target).int8 else FP8_EXPORT
+    return write_export(fmt, module_or_model, out_dir, dtype=dtype, compute_dtype=compute_dtype, tokenizer=tokenizer,
+                        overwrite=overwrite, serve_target=serve_target)
+
+
+def _prepare(source: ExportSource, serve_target: str = DEFAULT_SERVE_TARGET):
+    """The layers' 8-bit tensors for ``serve_target`` and a plain copy of the rest (refusing a model of which no
+    layer can be served that way) -> its ``save``, which checks what it wrote before the rename."""
+    model, storage_dtype = source.model, source.storage_dtype
     plan = _servable_plan(model, serve_target)
     schemes, ignored, experts = plan.schemes, plan.ignored, plan.experts
-    staging = StagingDir(out_dir, overwrite, REPORT_FILE)  # refuse an existing run / export before any work
-
     modules = dict(model.named_modules())
     layers = _fp8_layers(schemes, modules, source.weights)
     tensors, records, checks = layers.tensors, layers.records, layers.checks
@@ -408,31 +413,29 @@ def export_compressed_tensors(
     state.update(tensors)
     plain.config.quantization_config = config.model_dump(mode="json")
 
-    with staging as tmp:
-        plain.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        save_inventory(module_or_model, tmp)
-        measured = _check_written(tmp, checks)
-        for name, values in measured.items():
+    def save(directory: Path) -> dict:
+        plain.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+        if source.tokenizer is not None:
+            source.tokenizer.save_pretrained(str(directory))
+        for name, values in _check_written(directory, checks).items():
             records[name].update(values)
-        report = _report(info=info, qat_format=next(iter(modules[n] for n in schemes)).recipe.format,
+        report = _report(info=source.info, qat_format=next(iter(modules[n] for n in schemes)).recipe.format,
                          serve_target=serve_target, storage_dtype=storage_dtype, schemes=schemes, records=records,
                          ignored=ignored, equalized=equalized,
-                         sizes={"weights": checkpoint_bytes(tmp), "bf16_weights": _bf16_bytes(plain)})
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
-    target = SERVE_TARGETS[serve_target]
-    log.info("%s export: %d linears, %d kept in %s, in %s", "INT8" if target.int8 else "FP8", len(schemes),
-             len(ignore), dtype_name(storage_dtype), out_dir)
-    if target.on_cpu is not None:
-        log.warning("on a CPU: %s", target.on_cpu)
-    return report
+                         sizes={"weights": checkpoint_bytes(directory), "bf16_weights": _bf16_bytes(plain)})
+        (directory / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        target = SERVE_TARGETS[serve_target]
+        log.info("%s export: %d linears, %d kept in %s", "INT8" if target.int8 else "FP8", len(schemes), len(ignore),
+                 dtype_name(storage_dtype))
+        if target.on_cpu is not None:
+            log.warning("on a CPU: %s", target.on_cpu)
+        return report
+
+    return save
 
 
 def summary_line(out_dir: str | os.PathLike, report: dict) -> str:
-    """One line of what an FP8 (or ``--serve_target cpu``: int8) export holds (the CLI prints it)."""
-    if report.get("serve_target", {}).get("name") == "cpu":
-        return int8_summary(out_dir, report)
+    """One line of what an FP8 export holds (the CLI prints it)."""
     totals, size = report["totals"], report["bytes"]
     kinds = ", ".join(f"{count} {kind}" for kind, count in totals["schemes"].items() if count)
     kept = (f", {len(report['ignored'])} quantized modules kept in {report['storage_dtype']} ({REPORT_FILE} says why)"
@@ -456,3 +459,12 @@ def read_report(out_dir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(report, dict) or report.get("format") != REPORT_FORMAT:
         raise ExportError(f"{path}: not an FP8 export report")
     return report
+
+
+def _serve_target_option(args) -> dict:
+    return {"serve_target": args.serve_target}
+
+
+FP8_EXPORT = ExportFormat(FORMAT_NAME, REPORT_FILE, _prepare, summary_line, options=_serve_target_option,
+                   dtype_field="--dtype", compute_dtype_field="--compute_dtype")
+INT8_EXPORT = replace(FP8_EXPORT, summary=int8_summary)  # --serve_target cpu: the same files, int8 weights (:mod:`.int8`)

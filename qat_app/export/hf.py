@@ -13,9 +13,10 @@ import torch
 from ..hif8.linear import HiF8Linear
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.patch import dequantize_model, quantized_linears
-from .common import StagingDir, quant_of, save_inventory
-from .layout import HF_EXPORT_INFO
-from .source import WeightCodes, export_source
+from .common import quant_of
+from .layout import HF_EXPORT_INFO, checkpoint_bytes
+from .source import ExportSource, WeightCodes
+from .writing import ExportFormat, write_export
 
 log = logging.getLogger("qat_app.export")
 
@@ -40,12 +41,17 @@ def export_hf(
         compute_dtype: as in :func:`export_hif8` (only for ``weights="quantized"``).
     The given model is not modified (a copy is dequantized).
     """
+    write_export(HF, module_or_model, out_dir, dtype=dtype, compute_dtype=compute_dtype, tokenizer=tokenizer,
+                 overwrite=overwrite, weights=weights)
+    return Path(out_dir)
+
+
+def _prepare(source: ExportSource, weights: str = "master"):
+    """A plain copy of the source's model (its quantized weights on the 8-bit grid with ``weights="quantized"``)
+    -> its ``save``."""
     if weights not in ("master", "quantized"):
         raise ValueError(f"weights must be 'master' or 'quantized', got {weights!r}")
-    source = export_source(module_or_model, tokenizer, dtype, compute_dtype)
-    model, info, tokenizer = source.model, source.info, source.tokenizer
-    staging = StagingDir(out_dir, overwrite, HF_EXPORT_INFO)  # refuse an existing export before copying anything
-    plain = copy.deepcopy(model)
+    plain = copy.deepcopy(source.model)
     layers = quantized_linears(plain)
     if weights == "quantized":
         set_quantized_weights(plain, source.weights)
@@ -53,20 +59,29 @@ def export_hf(
     if source.storage_dtype is not None:
         plain.to(source.storage_dtype)
     plain.eval()
-    with staging as tmp:
-        plain.save_pretrained(str(tmp), safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        save_inventory(module_or_model, tmp)  # of the quantized model the copy was made from
-        (tmp / HF_EXPORT_INFO).write_text(json.dumps({
-            "exported_by": "qat_app.export.export_hf",
-            "source": info.get("model_name"),
-            "dequantized_layers": count,
-            "weights": weights,
-            "quant": quant_of(plain, layers).to_dict() if layers else None,
-        }, indent=1))
-    log.info("HF export: %d HiF8 linears replaced by plain ones (%s weights) in %s", count, weights, out_dir)
-    return Path(out_dir)
+
+    def save(directory: Path) -> dict:
+        plain.save_pretrained(str(directory), safe_serialization=True)
+        if source.tokenizer is not None:
+            source.tokenizer.save_pretrained(str(directory))
+        info = {"exported_by": "qat_app.export.export_hf", "source": source.info.get("model_name"),
+                "dequantized_layers": count, "weights": weights,
+                "quant": quant_of(plain, layers).to_dict() if layers else None}
+        (directory / HF_EXPORT_INFO).write_text(json.dumps(info, indent=1))
+        log.info("HF export: %d HiF8 linears replaced by plain ones (%s weights)", count, weights)
+        return info
+
+    return save
+
+
+def hf_summary(out_dir, info: dict) -> str:
+    """One line of what a plain HF export holds (the CLI prints it)."""
+    return f"wrote {out_dir}: {checkpoint_bytes(out_dir) / 2**20:.1f} MiB"
+
+
+HF = ExportFormat("hf", HF_EXPORT_INFO, _prepare, hf_summary, run_dtype=False,
+                  options=lambda args: {"weights": args.hf_weights},
+                  computes_codes=lambda options: options.get("weights") == "quantized")
 
 
 @torch.no_grad()

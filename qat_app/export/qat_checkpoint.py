@@ -8,6 +8,7 @@ import os
 
 from ..config import QuantConfig
 from ..errors import CheckpointError
+from ..precision import COMPUTE_DTYPES, PRECISION_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,7 @@ def load_qat_checkpoint(path: str | os.PathLike, weights_only: bool = True, trus
     return module
 
 
-# Lightning precision -> the dtype its unquantized tensors were computed in (the exports keep it by default)
-PRECISION_DTYPES = {"32-true": "float32", "32": "float32", "64-true": "float32", "bf16-mixed": "bfloat16",
-                    "bf16-true": "bfloat16", "bf16": "bfloat16", "16-mixed": "float16", "16-true": "float16",
-                    "16": "float16"}
-FALLBACK_DTYPE = "bfloat16"
-# Lightning precision -> the dtype its quantized linears computed in (what the weight's codes are the codes of:
-# under bf16-mixed, bf16(w) * s, whatever the master weights' dtype)
-COMPUTE_DTYPES = {**PRECISION_DTYPES, "64-true": "float64", "64": "float64"}
+FALLBACK_DTYPE = "bfloat16"  # an export's storage dtype for a checkpoint that does not record its precision
 
 
 def run_compute_dtype(module) -> tuple[str | None, str]:

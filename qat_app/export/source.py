@@ -116,6 +116,7 @@ class ExportSource:
     info: dict | None = None  # the run's model_name and trust_remote_code, for a QATModule
     storage_dtype: torch.dtype | None = None  # of the unquantized tensors (None: unchanged)
     compute_dtype: torch.dtype | None = None  # None: each quantized layer's weight dtype
+    selection: Any = None  # a QATModule's LayerSelection (the inventory's), None for a bare model
 
     @cached_property
     def weights(self) -> dict[str, WeightCodes]:
@@ -148,7 +149,9 @@ def unwrap(module_or_model) -> ExportSource:
     if isinstance(inner, nn.Module) and hasattr(inner, "config"):
         hparams = dict(getattr(module_or_model, "hparams", {}) or {})
         info = {k: hparams[k] for k in ("model_name", "trust_remote_code") if k in hparams}
-        return ExportSource(inner, getattr(module_or_model, "tokenizer", None), info)
+        quant = getattr(module_or_model, "quant", None)
+        return ExportSource(inner, getattr(module_or_model, "tokenizer", None), info,
+                            selection=None if quant is None else quant.selection)
     if isinstance(module_or_model, nn.Module) and hasattr(module_or_model, "config"):
         return ExportSource(module_or_model, None, {})
     raise TypeError(

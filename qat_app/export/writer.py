@@ -19,10 +19,11 @@ from ..hif8.fallback_targets import unquantized_by
 from ..hif8.linear import HiF8Linear
 from ..hif8.operand import Operand
 from ..hif8.patch import quantized_linears
-from .common import StagingDir, quant_of, same, save_inventory, save_model_files
+from .common import quant_of, same, save_model_files
 from .layout import (LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, ROLE_BUFFER, ROLE_CODES, ROLE_DENSE, ROLE_OTHER,
                      ROLE_SCALE, ROLE_SCALER, WEIGHTS_FILE, ExportError, dtype_name)
-from .source import EXPERT_PARAMS, ExportSource, WeightCodes, export_source
+from .source import EXPERT_PARAMS, ExportSource, WeightCodes
+from .writing import ExportFormat, write_export
 
 log = logging.getLogger("qat_app.export")
 
@@ -70,9 +71,9 @@ class _Tensors:
 
 def why_dense(layer) -> str:
     """Why a quantized matmul's weight is not stored as codes: it fell back to high precision, or its switch is off."""
-    record = layer.fallback.get("weight")
-    if unquantized_by(record):
-        return f"the weight fell back to high precision at step {record.get('step')} ({record.get('reason')})"
+    decision = layer.fallback.get("weight")
+    if unquantized_by(decision):
+        return f"the weight fell back to high precision at step {decision.step} ({decision.reason})"
     return "weight quantization is off (exported inside the BF16 warmup?)"
 
 
@@ -255,9 +256,14 @@ def export_hif8(
         tokenizer: saved with the model (default: the QATModule's tokenizer, if any).
         overwrite: replace an existing non-empty ``out_dir``.
     """
+    return write_export(HIF8, module_or_model, out_dir, dtype=dtype, compute_dtype=compute_dtype, tokenizer=tokenizer,
+                        overwrite=overwrite)
+
+
+def _prepare(source: ExportSource):
+    """The HiF8 checkpoint's tensors and layout entries (refusing a model without HiF8 layers) -> its ``save``."""
     from safetensors.torch import save_file
 
-    source = export_source(module_or_model, tokenizer, dtype, compute_dtype)
     model, storage_dtype = source.model, source.storage_dtype
     layers = quantized_linears(model)
     if not layers:
@@ -266,11 +272,8 @@ def export_hif8(
             "use export_hf (--format hf) for an unquantized model"
         )
     quant = quant_of(model, layers)
-    staging = StagingDir(out_dir, overwrite, LAYOUT_FILE)  # refuse an existing export before any work
-    state = model.state_dict()
-
     out = _Tensors()
-    stored = _add_model_tensors(out, source, layers, state)
+    stored = _add_model_tensors(out, source, layers, model.state_dict())
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if not out.lossless:
         log.warning(
@@ -278,16 +281,25 @@ def export_hif8(
             "from this one by that rounding (export with dtype=float32 for an exact copy)",
             dtype_name(model_dtype), dtype_name(storage_dtype),
         )
-    with staging as tmp:
-        weights_path = Path(tmp) / WEIGHTS_FILE
+
+    def save(directory: Path) -> dict:
+        weights_path = Path(directory) / WEIGHTS_FILE
         save_file(out.tensors, str(weights_path), metadata={"format": "pt", "qat_app_layout": LAYOUT_FILE})
-        save_model_files(model, source.tokenizer, tmp)
-        save_inventory(module_or_model, tmp)
+        save_model_files(model, source.tokenizer, directory)
         layout = _layout(model, source.info, quant, out, stored, weights_bytes=weights_path.stat().st_size,
                          model_dtype=model_dtype, storage_dtype=storage_dtype)
-        (tmp / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
-    log.info(
-        "HiF8 export: %d quantized linears, %d quantized experts modules (%d params in %d bytes of codes), %s in %s",
-        len(stored.quantized), len(stored.experts), layout["bytes"]["codes"], layout["bytes"]["codes"], dtype_name(storage_dtype), out_dir,
-    )
-    return layout
+        (directory / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
+        log.info("HiF8 export: %d quantized linears, %d quantized experts modules (%d bytes of codes), the rest in %s",
+                 len(stored.quantized), len(stored.experts), layout["bytes"]["codes"], dtype_name(storage_dtype))
+        return layout
+
+    return save
+
+
+def hif8_summary(out_dir, layout: dict) -> str:
+    """One line of what a HiF8 export holds (the CLI prints it)."""
+    return (f"wrote {out_dir}: {len(layout['quantized_layers'])} HiF8 layers, "
+            f"{layout['weights_file_bytes'] / 2**20:.1f} MiB ({layout['bytes']['codes'] / 2**20:.1f} MiB of codes)")
+
+
+HIF8 = ExportFormat("hif8", LAYOUT_FILE, _prepare, hif8_summary)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -26,7 +26,7 @@ from .counters import HEALTH, gather_columns
 from .health import FIELDS as HEALTH_FIELDS, sqnr_from_powers
 from .patch import quantized_linears
 from .operand import Operand
-from .fallback_targets import BY_NAME, FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, unquantized_by
+from .fallback_targets import BY_NAME, FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, Verdict
 from .quantized import QuantizedMatmul
 from .sqnr_bound import gaussian_sqnr_bound
 
@@ -285,7 +285,7 @@ def quantized_tensors(model: nn.Module) -> list[tuple[str, QuantizedMatmul, Oper
 
 def fallen_back(model: nn.Module) -> list[dict]:
     """Every fallback decision of ``model``: ``{"module", "operand", "target", "step", "reason", "evidence"}``."""
-    return [{"module": name, "operand": str(operand), **layer.fallback[operand]}
+    return [{"module": name, "operand": str(operand), **layer.fallback[operand].as_dict()}
             for name, layer, operand in quantized_tensors(model) if operand in layer.fallback]
 
 
@@ -323,20 +323,15 @@ def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, Operand]]) -> list[tu
     return [(operand.tensor_name(name), layer.scaler_of(operand)) for name, layer, operand in tensors]
 
 
-def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int,
-                  counters: RunCounters | None = None) -> list[dict]:
-    """One optimizer step of the policy on ``model`` (after the scalers advanced) on its ``counters`` (None: read
-    here, :func:`read_counters`; a training loop that reads them already hands them over): update the evidence, make the
-    tensors that qualify fall back to the remedy of their symptom (recording ``step``, the rule, the evidence and
+def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int, counters: RunCounters) -> list[dict]:
+    """One optimizer step of the policy on ``model`` (after the scalers advanced) on its ``counters`` (the step
+    record's, :func:`~.training.sync_and_advance`): update the evidence, make the tensors that qualify fall back to the remedy of their symptom (recording ``step``, the rule, the evidence and
     the counters at that point), and verify the earlier decisions (:func:`verify_decisions`) -> the new decisions,
     as :func:`fallen_back` lists them. Every data-parallel rank takes the same decisions (the counters are the same
     on every rank, the SQNR is summed over them)."""
     tensors = quantized_tensors(model)
     if not tensors:
         return []
-    if counters is None:
-        pairs = scaler_pairs(tensors)
-        counters = read_counters(pairs, health=any(s.health_last is not None for _, s in pairs))
     events, steps, sqnr = counters
     policy = monitor.policy
     eligible = torch.tensor([operand not in layer.fallback for _, layer, operand in tensors])
@@ -353,7 +348,7 @@ def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int,
         layer.fall_back(operand, policy.remedy(decision.reason), step=step, reason=decision.reason,
                         evidence=decision.evidence, events_at=int(events[i]), steps_at=int(steps[i]),
                         sqnr_at=None if sqnr is None or math.isnan(float(sqnr[i])) else round(float(sqnr[i]), 2))
-        new.append({"module": name, "operand": str(operand), **layer.fallback[operand]})
+        new.append({"module": name, "operand": str(operand), **layer.fallback[operand].as_dict()})
     if monitor.stopped is not None and "step" not in monitor.stopped:
         monitor.stopped["step"] = step
     return new
@@ -368,24 +363,26 @@ def verify_decisions(tensors: list, policy: FallbackPolicy, events: torch.Tensor
     done = []
     for i, (name, layer, operand) in enumerate(tensors):
         record = layer.fallback.get(operand)
-        if record is None or record.get("verified") is not None or "steps_at" not in record or record["step"] >= step:
+        if record is None or record.verified is not None or record.steps_at is None or record.step >= step:
             continue
-        since_steps, since_events = int(steps[i]) - record["steps_at"], int(events[i]) - record["events_at"]
-        if sqnr is not None and not math.isnan(float(sqnr[i])):
-            record["sqnr_after"] = round(float(sqnr[i]), 2)
-        if unquantized_by(record):
+        since_steps, since_events = int(steps[i]) - record.steps_at, int(events[i]) - record.events_at
+        sqnr_after = round(float(sqnr[i]), 2) if sqnr is not None and not math.isnan(float(sqnr[i])) else None
+        sqnr_after = record.sqnr_after if sqnr_after is None else sqnr_after
+        if record.unquantized:
             worked = since_steps == 0
             text = ("unquantized since: no 8-bit error, nothing clipped" if worked else
                     f"still quantized: {since_steps} quantized steps since")
         elif since_steps >= policy.window:
             worked = since_events == 0
             text = f"{since_events} saturation events in the {since_steps} quantized steps since"
-            if record.get("sqnr_at") is not None and record.get("sqnr_after") is not None:
-                text += f"; SQNR {record['sqnr_at']:.2f} -> {record['sqnr_after']:.2f} dB"
+            if record.sqnr_at is not None and sqnr_after is not None:
+                text += f"; SQNR {record.sqnr_at:.2f} -> {sqnr_after:.2f} dB"
         else:
+            if sqnr_after != record.sqnr_after:  # the SQNR after, measured while the window fills
+                layer.fallback[operand] = replace(record, sqnr_after=sqnr_after)
             continue
-        record["verified"] = {"step": step, "worked": worked, "text": text}
-        done.append({"module": name, "operand": str(operand), **record})
+        layer.fallback[operand] = record = record.verified_as(Verdict(step, worked, text), sqnr_after)
+        done.append({"module": name, "operand": str(operand), **record.as_dict()})
     return done
 
 

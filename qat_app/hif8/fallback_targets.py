@@ -9,8 +9,8 @@ read whether the operand is still quantized, and a person reads the target's tex
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Optional
 
 FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
 
@@ -38,6 +38,65 @@ FALLBACK_TARGETS = tuple(BY_NAME)
 TARGET_TEXT = {target.name: target.text for target in TARGETS}
 
 
-def unquantized_by(record: dict | None) -> bool:
-    """Whether a fallback ``record`` (a matmul's ``fallback[operand]``) left its operand unquantized."""
-    return record is not None and not BY_NAME[record["target"]].quantized
+@dataclass(frozen=True)
+class Verdict:
+    """A fallback decision checked against the tensor's counters since (:func:`~.fallback.verify_decisions`)."""
+
+    step: int
+    worked: bool
+    text: str
+
+
+@dataclass(frozen=True)
+class FallbackDecision:
+    """One operand's fallback: its target, the step and rule that decided, the evidence and the counters then
+    (``events_at``, ``steps_at``, ``sqnr_at``: recorded together), and once checked the SQNR after and the
+    verdict. Made once by the policy; a verification makes a new one (:meth:`verified_as`), never edits it."""
+
+    target: str
+    step: Optional[int] = None
+    reason: Optional[str] = None
+    evidence: Optional[str] = None
+    events_at: Optional[int] = None
+    steps_at: Optional[int] = None
+    sqnr_at: Optional[float] = None
+    sqnr_after: Optional[float] = None
+    verified: Optional[Verdict] = None
+
+    def __post_init__(self) -> None:
+        if self.target not in BY_NAME:
+            raise ValueError(f"fallback target: unknown {self.target!r}; allowed: {', '.join(FALLBACK_TARGETS)}")
+
+    @property
+    def unquantized(self) -> bool:
+        """The operand is no longer quantized (a high-precision target)."""
+        return not BY_NAME[self.target].quantized
+
+    def verified_as(self, verdict: Verdict, sqnr_after: Optional[float]) -> "FallbackDecision":
+        """This decision with its verdict (and the SQNR measured after, where there is one)."""
+        return replace(self, verified=verdict, sqnr_after=self.sqnr_after if sqnr_after is None else sqnr_after)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as checkpoints, exports and summaries hold it: the fields recorded (the counters at the
+        decision together, the SQNR after and the verdict once there)."""
+        out: dict[str, Any] = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is not None or (field.name == "sqnr_at" and self.steps_at is not None):
+                out[field.name] = value.__dict__.copy() if isinstance(value, Verdict) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> "FallbackDecision":
+        """A record :meth:`as_dict` wrote (or an earlier version: fewer fields)."""
+        record = dict(record)
+        verdict = record.pop("verified", None)
+        return cls(**record, verified=None if verdict is None else Verdict(**verdict))
+
+
+def unquantized_by(record: FallbackDecision | dict | None) -> bool:
+    """Whether a fallback record (a matmul's ``fallback[operand]``, or its dict in a summary) left its operand
+    unquantized."""
+    if record is None:
+        return False
+    return record.unquantized if isinstance(record, FallbackDecision) else not BY_NAME[record["target"]].quantized

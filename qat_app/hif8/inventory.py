@@ -76,7 +76,7 @@ def _module_entry(name, layer, block, kind, shape, switched_on) -> dict:
         "alpha": recipe.alpha if recipe.amax_algo == "exp_smooth" else None,
         "max_val": recipe.resolved_max_val, "margin": recipe.margin,
         "quantized": operands_quantized(layer, switched_on),
-        "fallback": {operand: dict(record) for operand, record in layer.fallback.items()},
+        "fallback": {operand: decision.as_dict() for operand, decision in layer.fallback.items()},
     }
 
 

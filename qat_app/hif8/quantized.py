@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .fake_quant import dequantize_codes, saturated_mask
-from .fallback_targets import BY_NAME, FALLBACK_TARGETS, unquantized_by
+from .fallback_targets import BY_NAME, FallbackDecision, unquantized_by
 from .formats import Float8Format, get_format
 from .fp8_gemm import e4m3_parts_of_codes
 from .gemm import (GEMM_DEQUANTIZE_FIRST, GEMM_EMULATED, GEMM_FP8, GemmOperand, column_sums, decode_factors,
@@ -135,8 +135,8 @@ class QuantizedMatmul(nn.Module):
             setattr(self, operand.scaler_name, None if max_val is None else AmaxScaler(
                 recipe.amax_algo, recipe.history_len, recipe.alpha, max_val, recipe.margin, device=device,
                 power_2=recipe.power_2_scales, operand=operand.value))
-        # operand -> its fallback decision (target, step, reason, evidence); set by fall_back, in the extra state
-        self.fallback: dict[str, dict] = {}
+        # operand -> its fallback decision; set by fall_back, in the extra state
+        self.fallback: dict[str, FallbackDecision] = {}
         self.quantize_activations = runtime.quantize_activations
         self.quantize_weights = runtime.quantize_weights
         self.quantize_grads = recipe.quantize_grads
@@ -162,16 +162,19 @@ class QuantizedMatmul(nn.Module):
     def fall_back(self, operand: Operand | str, target: str, **record) -> None:
         """Switch ``operand`` for the rest of the run to ``target`` (:mod:`.fallback_targets`): ``current`` scaling
         (its scaler becomes a CTS scaler: never clips) or ``high_precision`` (no longer quantized). ``record``
-        (step, reason, evidence) is kept with it, in the extra state, so a checkpoint or an export carries it."""
-        if target not in FALLBACK_TARGETS:
-            raise ValueError(f"fallback target: unknown {target!r}; allowed: {', '.join(FALLBACK_TARGETS)}")
+        (the :class:`FallbackDecision`'s other fields: step, reason, evidence, ...) is kept with it, in the extra
+        state, so a checkpoint or an export carries it."""
+        self.take_decision(operand, FallbackDecision(target, **record))
+
+    def take_decision(self, operand: Operand | str, decision: FallbackDecision) -> None:
+        """Apply a :class:`FallbackDecision` to ``operand`` and keep it (:meth:`fall_back`, a checkpoint's)."""
         operand = Operand(operand)
         scaler = self.scaler_of(operand)
         if scaler is None:
             raise ValueError(f"{operand}: this matmul has no {operand.scaler_name} to fall back")
-        self.fallback[operand.value] = {"target": target, **record}
-        if BY_NAME[target].apply is not None:
-            BY_NAME[target].apply(scaler)
+        self.fallback[operand.value] = decision
+        if BY_NAME[decision.target].apply is not None:
+            BY_NAME[decision.target].apply(scaler)
         self._weight_cache = None
 
     def named_scalers(self) -> list[tuple[str, AmaxScaler]]:
@@ -186,7 +189,7 @@ class QuantizedMatmul(nn.Module):
         return {  # the switches as set: a fallback to high precision is restored from its own record
             **{operand.switch_name: self.__dict__[_Switch.attribute(operand)]  # the order earlier exports hold
                for operand in (Operand.WEIGHT, Operand.INPUT, Operand.GRAD)},
-            "fallback": {operand: dict(record) for operand, record in self.fallback.items()},
+            "fallback": {operand: decision.as_dict() for operand, decision in self.fallback.items()},
         }
 
     def set_extra_state(self, state: dict) -> None:
@@ -195,8 +198,7 @@ class QuantizedMatmul(nn.Module):
         self.quantize_grads = bool(state.get("quantize_grads", False)) and self.grad_scaler is not None
         self.fallback = {}
         for operand, record in state.get("fallback", {}).items():
-            record = dict(record)
-            self.fall_back(operand, record.pop("target"), **record)
+            self.take_decision(operand, FallbackDecision.from_dict(record))
 
     def quantization_repr(self) -> str:
         return (f"format={self.recipe.format}, amax_algo={self.recipe.amax_algo}, "

@@ -1,0 +1,18 @@
+"""The exports the command line offers, as a table: each ``--format`` names its :class:`~.writing.ExportFormat`
+(compressed-tensors: the one of its ``--serve_target``: FP8, or int8 for a CPU server)."""
+
+from __future__ import annotations
+
+from .compressed import FP8_EXPORT, INT8_EXPORT
+from .hf import HF
+from .serve_targets import SERVE_TARGETS
+from .writer import HIF8
+from .writing import ExportFormat
+
+FORMATS = {fmt.name: fmt for fmt in (HIF8, HF, FP8_EXPORT)}
+SERVED_AS = {name: INT8_EXPORT if target.int8 else FP8_EXPORT for name, target in SERVE_TARGETS.items()}
+
+
+def export_format(name: str, serve_target: str) -> ExportFormat:
+    """What ``--format name --serve_target serve_target`` writes."""
+    return SERVED_AS[serve_target] if FORMATS[name] is FP8_EXPORT else FORMATS[name]
