@@ -284,7 +284,9 @@ def _prepare(source: ExportSource):
 
     def save(directory: Path) -> dict:
         weights_path = Path(directory) / WEIGHTS_FILE
-        save_file(out.tensors, str(weights_path), metadata={"format": "pt", "qat_app_layout": LAYOUT_FILE})
+        # one metadata entry: safetensors writes its entries in a hash map's order, random per map (two made
+        # the same export differ from one run to the next in its header)
+        save_file(out.tensors, str(weights_path), metadata={"format": "pt"})
         save_model_files(model, source.tokenizer, directory)
         layout = _layout(model, source.info, quant, out, stored, weights_bytes=weights_path.stat().st_size,
                          model_dtype=model_dtype, storage_dtype=storage_dtype)
