@@ -1,7 +1,7 @@
 """FallbackCallback: the automatic fallback policy of :mod:`qat_app.hif8.fallback` in a fit (opt-in).
 
 The policy runs in the core's per-step protocol: this callback hands its :class:`~qat_app.hif8.fallback.FallbackMonitor`
-to the LightningModule (``fallback_monitor``), and :func:`~qat_app.hif8.training.sync_and_advance` decides on the
+to the LightningModule (``run_fallback_policy``), and :func:`~qat_app.hif8.training.sync_and_advance` decides on the
 step's record (two run counters per quantized tensor and, on the steps whose health the saturation callback
 measured, their SQNR, summed over the ranks): it updates the evidence and makes the tensors that qualify fall back
 to ``policy.target`` before the next forward. Once per optimizer step this callback reports the record's decisions. Each decision is one warning with its
@@ -114,7 +114,7 @@ class FallbackCallback(PerOptimizerStep):
         if not tensors:
             log.warning("fallback: the model has no quantized tensor (quant.enabled=false?); nothing can fall back")
             return
-        if not hasattr(pl_module, "fallback_monitor"):
+        if not hasattr(pl_module, "run_fallback_policy"):
             raise ConfigError(f"fallback.enabled: {type(pl_module).__name__} does not run the fallback policy in its "
                               "optimizer step (qat_app.module.QATModule does)")
         self.monitor = FallbackMonitor.for_model(self.policy, pl_module.model)  # its budget: checked at setup
@@ -127,7 +127,7 @@ class FallbackCallback(PerOptimizerStep):
         else:  # a fresh run (zeros), or one resumed from a checkpoint without fallback state: evidence starts now
             counters = read_counters(scaler_pairs(tensors), health=False)
             self.monitor.start(counters.events, counters.steps)
-        pl_module.fallback_monitor = self.monitor  # decided on in the module's optimizer step, from now on
+        pl_module.run_fallback_policy(self.monitor)  # decided on in the module's optimizer step, from now on
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if self.monitor is None:

@@ -234,6 +234,11 @@ class QATModule(L.LightningModule):
             self._skip_step(optimizer)
         self.log("train/skipped_steps", self.skipped_steps.float(), on_step=True)
 
+    def run_fallback_policy(self, monitor: FallbackMonitor | None) -> None:
+        """Decide ``monitor``'s fallback policy on every step's record from now on (None: stop); the fallback
+        callback hands over its monitor, whose evidence it checkpoints."""
+        self.fallback_monitor = monitor
+
     def _step_loss(self) -> torch.Tensor | None:
         """The step's loss on this rank: the mean over its micro-batches (None when none ran)."""
         loss_sum, micro = self._loss_sum, self._micro_batches
