@@ -2,8 +2,8 @@
 
 Once per optimizer step it takes the step's record the core read (:class:`~qat_app.hif8.step_record.StepRecord`,
 published by :class:`qat_app.module.QATModule` as ``step_record``): the loss (averaged over the micro-batches and
-the ranks, so every rank decides alike), the gradient norm and whether the step was skipped (non-finite). The loss and the gradient norm are scored against their last ``window`` finite values
-by a robust z, (value - median) / (1.4826 MAD) (:func:`robust_z`); an upward jump past ``z_threshold`` and every
+the ranks, so every rank decides alike), the gradient norm and whether the step was skipped (non-finite). The
+loss and the gradient norm are scored against their last ``window`` finite values by a robust z, (value - median) / (1.4826 MAD) (:func:`robust_z`); an upward jump past ``z_threshold`` and every
 skipped step are events: a log line, ``alarm/*`` at the step they describe, ``alarms.json`` at the end of fit.
 Contract: the state is checkpointed, so a resumed run raises exactly the events of an uninterrupted one.
 ``action="stop"`` also saves a checkpoint, stops the fit and prints the resume command.

@@ -1,11 +1,11 @@
 """FallbackCallback: the automatic fallback policy of :mod:`qat_app.hif8.fallback` in a fit (opt-in).
 
-The policy runs in the core's per-step protocol: this callback hands its :class:`~qat_app.hif8.fallback.FallbackMonitor`
-to the LightningModule (``run_fallback_policy``), and :func:`~qat_app.hif8.training.sync_and_advance` decides on the
-step's record (two run counters per quantized tensor and, on the steps whose health the saturation callback
-measured, their SQNR, summed over the ranks): it updates the evidence and makes the tensors that qualify fall back
-to ``policy.target`` before the next forward. Once per optimizer step this callback reports the record's decisions. Each decision is one warning with its
-evidence and is logged as ``fallback/tensors`` (the count so far, every step). The decisions live in the
+The policy runs in the core's per-step protocol: this callback hands its
+:class:`~qat_app.hif8.fallback.FallbackMonitor` to the LightningModule (``run_fallback_policy``), and
+:func:`~qat_app.hif8.training.sync_and_advance` decides on the step's record (two run counters per quantized tensor
+and, on the steps whose health the saturation callback measured, their SQNR, summed over the ranks): it updates
+the evidence and makes the tensors that qualify fall back to ``policy.target`` before the next forward. Once per
+optimizer step this callback reports the record's decisions. Each decision is one warning with its evidence and is logged as ``fallback/tensors`` (the count so far, every step). The decisions live in the
 quantized matmuls' extra state (checkpoints, exports, the saturation summary and the report list them), and
 the evidence in this callback's ``state_dict``, so a run resumed from any checkpoint takes the decisions an
 uninterrupted one takes, at the same steps.

@@ -2,8 +2,8 @@
 describe, and ``saturation_summary.json`` at the end of fit.
 
 Once per optimizer step it takes the step's record the core read (:class:`~qat_app.hif8.step_record.StepRecord`,
-published by the LightningModule as ``step_record``) and logs ``sat/*``, ``whatif/*`` and ``forecast/*`` every step, the
-per-tensor keys, ``health/*`` and ``headroom/*`` every ``log_every_n_steps`` (health is measured on those steps
+published by the LightningModule as ``step_record``) and logs ``sat/*``, ``whatif/*`` and ``forecast/*`` every
+step, the per-tensor keys, ``health/*`` and ``headroom/*`` every ``log_every_n_steps`` (health is measured on those steps
 only). The metrics: docs/diagnostics/saturation.md and docs/diagnostics/health.md; the figures:
 :mod:`.health_log`, :mod:`.forecast_log`. DDP is told not to broadcast the scalers' buffers (each rank keeps
 its own run totals).

@@ -388,8 +388,7 @@ def export_compressed_tensors(
             serves on CUDA and, slowly, on the CPU), ``cuda`` (FP8, the trained static input scales; vLLM's CUDA
             kernels) or ``cpu`` (int8 weights and per-token inputs, :mod:`.int8`: what vLLM serves fast on a CPU).
     """
-    fmt = INT8_EXPORT if check_serve_target(serve_target).int8 else FP8_EXPORT
-    return write_export(fmt, module_or_model, out_dir, dtype=dtype, compute_dtype=compute_dtype, tokenizer=tokenizer,
+    return write_export(served_as(serve_target), module_or_model, out_dir, dtype=dtype, compute_dtype=compute_dtype, tokenizer=tokenizer,
                         overwrite=overwrite, serve_target=serve_target)
 
 
@@ -466,5 +465,10 @@ def _serve_target_option(args) -> dict:
 
 
 FP8_EXPORT = ExportFormat(FORMAT_NAME, REPORT_FILE, _prepare, summary_line, options=_serve_target_option,
-                   dtype_field="--dtype", compute_dtype_field="--compute_dtype")
-INT8_EXPORT = replace(FP8_EXPORT, summary=int8_summary)  # --serve_target cpu: the same files, int8 weights (:mod:`.int8`)
+                          dtype_field="--dtype", compute_dtype_field="--compute_dtype")
+INT8_EXPORT = replace(FP8_EXPORT, summary=int8_summary)  # --serve_target cpu: int8 weights (:mod:`.int8`)
+
+
+def served_as(serve_target: str) -> ExportFormat:
+    """The compressed-tensors export ``serve_target`` asks for: FP8, or int8 for a CPU server."""
+    return INT8_EXPORT if check_serve_target(serve_target).int8 else FP8_EXPORT

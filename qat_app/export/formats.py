@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-from .compressed import FP8_EXPORT, INT8_EXPORT
+from .compressed import FP8_EXPORT, served_as
 from .hf import HF
-from .serve_targets import SERVE_TARGETS
 from .writer import HIF8
 from .writing import ExportFormat
 
 FORMATS = {fmt.name: fmt for fmt in (HIF8, HF, FP8_EXPORT)}
-SERVED_AS = {name: INT8_EXPORT if target.int8 else FP8_EXPORT for name, target in SERVE_TARGETS.items()}
 
 
 def export_format(name: str, serve_target: str) -> ExportFormat:
     """What ``--format name --serve_target serve_target`` writes."""
-    return SERVED_AS[serve_target] if FORMATS[name] is FP8_EXPORT else FORMATS[name]
+    return served_as(serve_target) if FORMATS[name] is FP8_EXPORT else FORMATS[name]

@@ -26,7 +26,8 @@ def _flat(scaler, field: str) -> torch.Tensor:
     return getattr(scaler, field).double().reshape(-1)
 
 
-def _world() -> int:
+def world_size() -> int:
+    """The number of data-parallel ranks (1 without a process group)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -35,8 +36,8 @@ def gather_columns(pairs, fields, count_fields=(), summed: dict | None = None, s
     """All requested fields of all ``(tensor name, scaler)`` pairs in one host transfer: field -> a CPU float64
     tensor, ``[n]`` for a 0-d buffer, ``[n, k]`` for a vector. ``count_fields`` are summed over the
     data-parallel ranks first; a collective when given: call it on every rank. ``summed`` and ``same``: 0-d
-    tensors read in the same transfer by name (``summed`` ones summed over the ranks too, ``"world"``, the number
-    of ranks, beside them; ``same`` ones as this rank holds them).
+    tensors read in the same transfer by name (``summed`` ones summed over the ranks too, ``same`` ones as this
+    rank holds them).
 
     Each rank quantizes its own share of the activations and gradients, so theirs are summed; the
     weight (a name ending in ``.weight``) is the same tensor on every rank (replicated, or unsharded for the
@@ -68,8 +69,6 @@ def gather_columns(pairs, fields, count_fields=(), summed: dict | None = None, s
     shapes = (plain.shape, counts.shape)
     plain, same_read, counts, summed_read = read.split([plain.numel(), len(same), counts.numel(), len(summed)])
     out = {**dict(zip(same, same_read)), **dict(zip(summed, summed_read))}
-    if summed:
-        out["world"] = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     names = (*fields, *count_fields)
     if names:
         first = pairs[0][1]

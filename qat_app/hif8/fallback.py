@@ -325,8 +325,8 @@ def scaler_pairs(tensors: list[tuple[str, QuantizedMatmul, Operand]]) -> list[tu
 
 def fallback_step(model: nn.Module, monitor: FallbackMonitor, step: int, counters: RunCounters) -> list[dict]:
     """One optimizer step of the policy on ``model`` (after the scalers advanced) on its ``counters`` (the step
-    record's, :func:`~.training.sync_and_advance`): update the evidence, make the tensors that qualify fall back to the remedy of their symptom (recording ``step``, the rule, the evidence and
-    the counters at that point), and verify the earlier decisions (:func:`verify_decisions`) -> the new decisions,
+    record's, :func:`~.training.sync_and_advance`): update the evidence, make the tensors that qualify fall back to
+    the remedy of their symptom (recording ``step``, the rule, the evidence and the counters at that point), and verify the earlier decisions (:func:`verify_decisions`) -> the new decisions,
     as :func:`fallen_back` lists them. Every data-parallel rank takes the same decisions (the counters are the same
     on every rank, the SQNR is summed over them)."""
     tensors = quantized_tensors(model)
@@ -366,8 +366,8 @@ def verify_decisions(tensors: list, policy: FallbackPolicy, events: torch.Tensor
         if record is None or record.verified is not None or record.steps_at is None or record.step >= step:
             continue
         since_steps, since_events = int(steps[i]) - record.steps_at, int(events[i]) - record.events_at
-        sqnr_after = round(float(sqnr[i]), 2) if sqnr is not None and not math.isnan(float(sqnr[i])) else None
-        sqnr_after = record.sqnr_after if sqnr_after is None else sqnr_after
+        measured = sqnr is not None and not math.isnan(float(sqnr[i]))
+        sqnr_after = round(float(sqnr[i]), 2) if measured else record.sqnr_after
         if record.unquantized:
             worked = since_steps == 0
             text = ("unquantized since: no 8-bit error, nothing clipped" if worked else
@@ -381,7 +381,7 @@ def verify_decisions(tensors: list, policy: FallbackPolicy, events: torch.Tensor
             if sqnr_after != record.sqnr_after:  # the SQNR after, measured while the window fills
                 layer.fallback[operand] = replace(record, sqnr_after=sqnr_after)
             continue
-        layer.fallback[operand] = record = record.verified_as(Verdict(step, worked, text), sqnr_after)
+        layer.fallback[operand] = record = replace(record, verified=Verdict(step, worked, text), sqnr_after=sqnr_after)
         done.append({"module": name, "operand": str(operand), **record.as_dict()})
     return done
 

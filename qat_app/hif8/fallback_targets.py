@@ -9,7 +9,7 @@ read whether the operand is still quantized, and a person reads the target's tex
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
 FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION = "current", "high_precision"
@@ -51,7 +51,7 @@ class Verdict:
 class FallbackDecision:
     """One operand's fallback: its target, the step and rule that decided, the evidence and the counters then
     (``events_at``, ``steps_at``, ``sqnr_at``: recorded together), and once checked the SQNR after and the
-    verdict. Made once by the policy; a verification makes a new one (:meth:`verified_as`), never edits it."""
+    verdict. Made once by the policy; a verification makes a new one (``dataclasses.replace``), never edits it."""
 
     target: str
     step: Optional[int] = None
@@ -71,10 +71,6 @@ class FallbackDecision:
     def unquantized(self) -> bool:
         """The operand is no longer quantized (a high-precision target)."""
         return not BY_NAME[self.target].quantized
-
-    def verified_as(self, verdict: Verdict, sqnr_after: Optional[float]) -> "FallbackDecision":
-        """This decision with its verdict (and the SQNR measured after, where there is one)."""
-        return replace(self, verified=verdict, sqnr_after=self.sqnr_after if sqnr_after is None else sqnr_after)
 
     def as_dict(self) -> dict[str, Any]:
         """The record as checkpoints, exports and summaries hold it: the fields recorded (the counters at the

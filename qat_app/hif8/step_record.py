@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .counters import HEALTH, as_rows, gather_columns
+from .counters import HEALTH, as_rows, gather_columns, world_size
 from .fallback import RUN_FIELDS, RunCounters, quantized_tensors, run_counters, scaler_pairs
 
 # per step: (amax, a_hat, headroom) are identical on every rank; the element counts are summed
@@ -32,9 +32,11 @@ def short_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def named_scalers(model: nn.Module) -> list[tuple[str, object]]:
-    """``(tensor name, scaler)`` of every quantized tensor: ``layers.7.mlp.up_proj.input``."""
-    return [(short_name(name), scaler) for name, scaler in scaler_pairs(quantized_tensors(model))]
+def named_scalers(model: nn.Module, tensors: list | None = None) -> list[tuple[str, object]]:
+    """``(tensor name, scaler)`` of every quantized tensor (of ``tensors``, :func:`~.fallback.quantized_tensors`'
+    entries, when given): ``layers.7.mlp.up_proj.input``."""
+    return [(short_name(name), scaler) for name, scaler in scaler_pairs(quantized_tensors(model) if tensors is None
+                                                                        else tensors)]
 
 
 class StepRow(NamedTuple):
@@ -89,16 +91,16 @@ def read_record(model: nn.Module, step: int, skipped: bool, loss: torch.Tensor |
                 grad_norm: torch.Tensor | None = None) -> StepRecord:
     """The :class:`StepRecord` of ``model``'s scalers for ``step`` (a collective under data parallelism: every
     rank). The health vectors are read when the step measured them (``measure_health`` on: every rank alike)."""
-    pairs = named_scalers(model)
-    health = any(getattr(m, "measure_health", False) for m in model.modules())
+    tensors = quantized_tensors(model)
+    pairs = named_scalers(model, tensors)
+    health = any(layer.measure_health for _, layer, _ in tensors)
     summed = {} if loss is None else {LOSS: loss}
     same = {} if grad_norm is None else {"grad_norm": grad_norm}
     columns = gather_columns(pairs, FIELDS + RUN_FIELDS, COUNT_FIELDS + (WHATIF_COUNT,) + ((HEALTH,) if health else ()),
                              summed=summed, same=same)
-    world = columns.pop("world", 1)
     read_loss = columns.pop(LOSS, None)
     read_norm = columns.pop("grad_norm", None)
     rows = tuple(StepRow(*row) for row in as_rows(columns, FIELDS + COUNT_FIELDS)) if pairs else ()
-    return StepRecord(step, skipped, tuple(pairs), rows, columns, health and bool(pairs),
-                      None if read_loss is None else float(read_loss) / world,
+    return StepRecord(step, skipped, tuple(pairs), rows, columns, health,
+                      None if read_loss is None else float(read_loss) / world_size(),
                       None if read_norm is None else float(read_norm))
