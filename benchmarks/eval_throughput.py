@@ -14,14 +14,13 @@ alternate and the fastest run of each counts (the CPU is shared).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from _common import int_options, write_json
 from lm_eval_compare import build_datamodule, load_model, run_lm_eval
 
 from qat_app.data.benchmarks import EMBEDDED_SMOLLM2
@@ -50,12 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=150, help="docs for ARC and HellaSwag")
     parser.add_argument("--mmlu-limit", type=int, default=50, help="docs per MMLU subject")
     parser.add_argument("--mmlu-subjects", default="anatomy,high_school_geography")
-    parser.add_argument("--mmlu-fewshot", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
+    int_options(parser, mmlu_fewshot=0, seed=1234, batch_size=32, max_length=2048, threads=2, repeats=1)
     parser.add_argument("--output", default="outputs/eval_throughput.json")
     args = parser.parse_args(argv)
 
@@ -77,15 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 model, tokenizer, task, limit, args.seed, subjects, args.mmlu_fewshot, args.batch_size, args.max_length
             )
             ours_best = min(ours_best, seconds)
-            _, _, lm_seconds = run_lm_eval(
-                model,
-                tokenizer,
-                samples,
-                subjects if task == "mmlu" else [],
-                args.mmlu_fewshot,
-                args.batch_size,
-                args.max_length,
-            )
+            _, _, lm_seconds = run_lm_eval(model, tokenizer, samples, subjects if task == "mmlu" else [],
+                                           args.mmlu_fewshot, args.batch_size, args.max_length)
             lm_best = min(lm_best, lm_seconds)
         row = {
             "task": task,
@@ -120,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'all':14s} {total_examples:4d} examples: ours {summary['ours_examples_per_s']:6.2f}/s, "
         f"lm-eval {summary['lm_eval_examples_per_s']:6.2f}/s: {summary['speedup']:.2f}x (target >= 1.5x)"
     )
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"args": vars(args), "rows": rows, "summary": summary}, indent=2))
+    write_json(args.output, {"args": vars(args), "rows": rows, "summary": summary})
     return 0
 
 

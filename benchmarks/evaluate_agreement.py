@@ -19,10 +19,8 @@ documents per second of each path at the same batch size.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lm_eval_compare import write_lm_eval_tasks  # noqa: E402
+from _common import write_json  # noqa: E402
+from lm_eval_compare import run_lm_eval  # noqa: E402
 
 from qat_app.eval.harness_pairing import loglik_agreement, pair  # noqa: E402
 from qat_app.eval.harness_tasks import resolve_tasks  # noqa: E402
@@ -41,19 +40,8 @@ from qat_app.evaluate import run_harness  # noqa: E402
 
 def reference(evaluated, subjects: list[str], limit: int, batch_size: int) -> tuple[dict, float]:
     """lm-eval's simple_evaluate with an HFLM over the model object -> ({our task name: samples}, seconds)."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
-    with tempfile.TemporaryDirectory() as directory:
-        names = write_lm_eval_tasks(Path(directory), subjects, 0)
-        lm = HFLM(pretrained=evaluated.model, tokenizer=evaluated.tokenizer, batch_size=batch_size)
-        started = time.perf_counter()
-        output = simple_evaluate(model=lm, tasks=list(names.values()), task_manager=TaskManager(include_path=directory),
-                                 limit=limit, log_samples=True, bootstrap_iters=0)
-        seconds = time.perf_counter() - started
-    ours = {key: f"mmlu_{key.split('/')[1]}" if key.startswith("mmlu/") else key for key in names}
-    return {ours[key]: output["samples"][name] for key, name in names.items()}, seconds
+    _, logged, seconds = run_lm_eval(evaluated.model, evaluated.tokenizer, None, subjects, 0, batch_size, limit=limit)
+    return {key.replace("mmlu/", "mmlu_"): samples for key, samples in logged.items()}, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cost: evaluate {documents / ours_seconds:.2f} documents/s ({ours_seconds:.1f} s), lm-eval's HFLM "
           f"{documents / their_seconds:.2f} documents/s ({their_seconds:.1f} s): ratio {their_seconds / ours_seconds:.3f} "
           f"(batch size {args.batch_size}, {documents} documents)")
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"args": vars(args), "rows": rows, "evaluate_seconds": ours_seconds,
-                                             "lm_eval_seconds": their_seconds}, indent=2))
+    write_json(args.output, {"args": vars(args), "rows": rows, "evaluate_seconds": ours_seconds,
+                             "lm_eval_seconds": their_seconds})
     agree = all(row["identical"] == row["requests"] and row["same_acc"] == row["documents"] for row in rows)
     return 0 if agree else 1
 

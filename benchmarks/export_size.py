@@ -29,10 +29,11 @@ import time
 
 import torch
 
-from qat_app.config import QuantConfig
+from _common import int_options
+
+from qat_app.config import QuantConfig, quantize_model
 from qat_app.export import checkpoint_bytes, export_compressed_tensors, export_hf, export_hif8, load_hif8
 from qat_app.models import EMBEDDED_MODEL, load_causal_lm
-from qat_app.config import quantize_model
 from qat_app.hif8.scaling import all_scalers
 
 
@@ -45,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the QAT model (and of the unquantized storage)")
     parser.add_argument("--forwards", type=int, default=3, help="training-mode forwards (+ advance) to fill the scalers")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
+    int_options(parser, batch=2, seq_len=64)
     parser.add_argument("--out", default=None, help="directory for the two checkpoints (default: a temporary one, removed)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)

@@ -12,6 +12,8 @@ import argparse
 
 import torch
 
+from _common import int_options
+
 from qat_app.config import QuantConfig
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.training import sync_and_advance
@@ -35,10 +37,7 @@ def run(gemm: str, args) -> tuple[torch.Tensor, ...]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--intermediate", type=int, default=6144)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=1024)
+    int_options(p, hidden=1536, intermediate=6144, batch=8, seq_len=1024)
     p.add_argument("--tail", default="exact")
     args = p.parse_args()
     emulated, fp8 = run("emulated", args), run("fp8", args)

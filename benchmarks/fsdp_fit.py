@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import subprocess
@@ -24,12 +25,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import lightning as L
+import torch
+import torch.distributed as dist
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_fit_check import build_model_dir, bundled_assets  # noqa: E402
+from benchmarks._common import int_options  # noqa: E402
+from benchmarks.gpu_fit_check import base_config, build_model_dir, bundled_assets  # noqa: E402
 
 
 # the scaler state every rank must hold alike after each step's MAX all-reduce (what decides the next scale, and
@@ -37,66 +42,52 @@ from benchmarks.gpu_fit_check import build_model_dir, bundled_assets  # noqa: E4
 REPLICATED = ("amax_history", "a_hat", "scale", "steps_recorded", "smoothed_a_hat", "last_amax", "last_a_hat",
               "saturation_events")
 
-try:
-    import lightning as L
 
-    class PeakMemory(L.Callback):
-        """Writes the device's peak allocated memory at the end of training (``peak_memory.json``)."""
+class PeakMemory(L.Callback):
+    """Writes the device's peak allocated memory at the end of training (``peak_memory.json``)."""
 
-        def __init__(self, path: str) -> None:
-            self.path = path
+    def __init__(self, path: str) -> None:
+        self.path = path
 
-        def on_train_end(self, trainer, pl_module) -> None:
-            import torch
+    def on_train_end(self, trainer, pl_module) -> None:
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        if trainer.global_rank == 0:
+            Path(self.path).write_text(json.dumps({"peak_memory_gib": None if peak is None else peak / 2**30}))
 
-            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-            if trainer.global_rank == 0:
-                Path(self.path).write_text(json.dumps({"peak_memory_gib": None if peak is None else peak / 2**30}))
 
-    class RankAgreement(L.Callback):
-        """At the end of training, whether every rank holds the same scaler buffers (a digest of each rank's,
-        gathered), with the world size and the process group's backend (``ranks.json``, written by rank 0)."""
+class RankAgreement(L.Callback):
+    """At the end of training, whether every rank holds the same scaler buffers (a digest of each rank's,
+    gathered), with the world size and the process group's backend (``ranks.json``, written by rank 0)."""
 
-        def __init__(self, path: str) -> None:
-            self.path = path
+    def __init__(self, path: str) -> None:
+        self.path = path
 
-        def on_train_end(self, trainer, pl_module) -> None:
-            import hashlib
-
-            import torch
-            import torch.distributed as dist
-
-            digest = hashlib.sha1()
-            for name, value in sorted(pl_module.state_dict().items()):
-                if "_scaler." in name and name.rsplit(".", 1)[-1] in REPLICATED:
-                    digest.update(name.encode())
-                    digest.update(value.detach().float().cpu().numpy().tobytes())
-            digests = [digest.hexdigest()]
-            backend = None
-            if dist.is_available() and dist.is_initialized():
-                digests = [None] * dist.get_world_size()
-                dist.all_gather_object(digests, digest.hexdigest())
-                backend = dist.get_backend()
-            if trainer.global_rank == 0:
-                Path(self.path).write_text(json.dumps({
-                    "world_size": trainer.world_size, "backend": backend, "scalers_equal": len(set(digests)) == 1,
-                    "devices": [str(torch.device(pl_module.device))]}))
-except ImportError:  # pragma: no cover
-    pass
+    def on_train_end(self, trainer, pl_module) -> None:
+        digest = hashlib.sha1()
+        for name, value in sorted(pl_module.state_dict().items()):
+            if "_scaler." in name and name.rsplit(".", 1)[-1] in REPLICATED:
+                digest.update(name.encode())
+                digest.update(value.detach().float().cpu().numpy().tobytes())
+        digests = [digest.hexdigest()]
+        backend = None
+        if dist.is_available() and dist.is_initialized():
+            digests = [None] * dist.get_world_size()
+            dist.all_gather_object(digests, digest.hexdigest())
+            backend = dist.get_backend()
+        if trainer.global_rank == 0:
+            Path(self.path).write_text(json.dumps({
+                "world_size": trainer.world_size, "backend": backend, "scalers_equal": len(set(digests)) == 1,
+                "devices": [str(torch.device(pl_module.device))]}))
 
 
 def visible_gpus() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--micro-batch", type=int, default=4)
+    int_options(p, steps=20, seq_len=1024, micro_batch=4)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--strategy", default="fsdp2", choices=("fsdp2", "ddp"))
     p.add_argument("--devices", type=int, default=None,
@@ -105,6 +96,7 @@ def main() -> None:
     p.add_argument("--assets", default=None, help="the GPU bundle's assets/ (tokenizer, corpus.jsonl); default: embedded")
     args = p.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="fsdp_fit_"))
+    run = work / "run"
     tokenizer_dir, corpus = bundled_assets(args.assets)
     model_dir = build_model_dir(work / "model", args.tiny, tokenizer_dir, args.device)
     warmup = max(1, args.steps // 4)
@@ -112,36 +104,19 @@ def main() -> None:
     strategy = ({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                  "init_args": {"data_parallel_size": devices, "tensor_parallel_size": 1}}
                 if args.strategy == "fsdp2" else "ddp" if devices > 1 else "auto")
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": devices, "max_steps": args.steps,
-            "precision": "bf16-mixed" if args.device == "cuda" else "32-true", "log_every_n_steps": 1,
-            "enable_progress_bar": False, "num_sanity_val_steps": 0, "limit_val_batches": 0,
-            "strategy": strategy,
-            "default_root_dir": str(work / "run"),
-            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger",
-                        "init_args": {"save_dir": str(work / "run"), "name": "logs"}}],
-            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                           "init_args": {"dirpath": str(work / "run" / "checkpoints"), "save_last": True,
-                                         "every_n_train_steps": args.steps}},
-                          {"class_path": "benchmarks.fsdp_fit.PeakMemory", "init_args": {"path": str(work / "peak.json")}},
-                          {"class_path": "benchmarks.fsdp_fit.RankAgreement", "init_args": {"path": str(work / "ranks.json")}}],
-        },
-        "warmup": {"warmup_steps": warmup},
-        "initial_eval": {"enabled": False},
-        "model": {"model_name": str(model_dir), "lr": 1e-5, "lr_schedule": "constant",
-                  "quant": {"amax_algo": "max", "history_len": 64, "high_precision_layers": 5 if not args.tiny else 1}},
-        "data": {"class_path": "qat_app.data.pretrain.PretrainDataModule",
-                 "init_args": {"data_files": corpus, "dataset": None, "seq_len": args.seq_len,
-                               "micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch * devices}},
-    }
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(run / "checkpoints"), "save_last": True, "every_n_train_steps": args.steps}},
+                 {"class_path": "benchmarks.fsdp_fit.PeakMemory", "init_args": {"path": str(work / "peak.json")}},
+                 {"class_path": "benchmarks.fsdp_fit.RankAgreement", "init_args": {"path": str(work / "ranks.json")}}]
+    config = base_config(args, run, devices, model_dir, corpus, warmup, 64, args.micro_batch * devices, callbacks)
+    config["trainer"].update(log_every_n_steps=1, limit_val_batches=0, strategy=strategy)
+    config["initial_eval"] = {"enabled": False}
     config_file = work / "config.yaml"
     config_file.write_text(yaml.safe_dump(config))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if args.device == "cpu" else "4"))
     subprocess.run([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(config_file)], cwd=ROOT, check=True,
                    env=env)
-    rows = [r for f in sorted((work / "run").glob("logs/version_*/metrics.csv")) for r in csv.DictReader(open(f))]
+    rows = [r for f in sorted(run.glob("logs/version_*/metrics.csv")) for r in csv.DictReader(open(f))]
     times = {int(r["step"]): float(r["train/time"]) for r in rows if r.get("train/time")}
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     steps = sorted(times)
@@ -152,8 +127,8 @@ def main() -> None:
                       "final_loss": losses[-1] if losses else None, "peak_memory_gib": peak,
                       "quantized_from_step": warmup, "world_size": ranks.get("world_size"),
                       "backend": ranks.get("backend"), "scalers_equal": ranks.get("scalers_equal"),
-                      "sharded_checkpoint": (work / "run" / "checkpoints" / "last.ckpt" / ".metadata").is_file(),
-                      "checkpoint": str(work / "run" / "checkpoints" / "last.ckpt"), "run_dir": str(work / "run")}))
+                      "sharded_checkpoint": (run / "checkpoints" / "last.ckpt" / ".metadata").is_file(),
+                      "checkpoint": str(run / "checkpoints" / "last.ckpt"), "run_dir": str(run)}))
     if ranks.get("scalers_equal") is False:
         sys.exit("error: the ranks ended with different scaler states (the per-step MAX all-reduce did not hold)")
 

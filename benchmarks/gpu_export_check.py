@@ -35,10 +35,11 @@ def training_codes(module, device=None, compute: torch.dtype | None = None) -> d
     on ``device`` (None: where the layer is). A live FSDP2 model's sharded weight is gathered whole (``full_tensor``, a
     collective: every rank calls this)."""
     from qat_app.hif8.linear import HiF8Linear
+    from qat_app.hif8.operand import Operand
 
     codes = {}
     for name, layer in module.named_modules():
-        if not isinstance(layer, HiF8Linear) or not layer.quantize_weights:
+        if not isinstance(layer, HiF8Linear) or not layer.quantizes(Operand.WEIGHT):
             continue
         home = layer.weight.device
         if device is not None:

@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks._common import int_options  # noqa: E402
+
 
 class StepRecorder(L.Callback):
     """One JSON line per optimizer step: the step, the loss, a hash of its micro-batches' tokens; at the end of
@@ -111,28 +113,37 @@ def bundled_assets(assets: str | None) -> tuple[str | None, str]:
     return tokenizer_dir, boolq_passages_path()
 
 
-def fit_config(args, work: Path, name: str, model_dir: Path, corpus: str, callbacks: list) -> Path:
-    run = work / name
-    config = {
+def base_config(args, run: Path, devices: int, model_dir: Path, corpus: str, warmup: int, history: int,
+                global_batch: int, callbacks: list) -> dict:
+    """The ``main.py fit`` config this script's fits and fsdp_fit.py's share: the exp8 recipe (``max`` window of
+    ``history``, ``warmup`` BF16 steps, then QAT) for ``args.steps`` steps on ``devices`` devices, ``bf16-mixed`` on
+    CUDA (``32-true`` on a CPU), logged as CSV in ``run``."""
+    return {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": 1, "max_steps": args.steps,
-            "precision": "bf16-mixed" if args.device == "cuda" else "32-true", "deterministic": "warn",
-            "log_every_n_steps": 2, "enable_progress_bar": False, "num_sanity_val_steps": 0,
-            "val_check_interval": 2 * args.steps * args.accumulate, "check_val_every_n_epoch": None,
-            "default_root_dir": str(run),
-            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run), "name": "logs"}}],
-            "callbacks": [{"class_path": "benchmarks.gpu_fit_check.StepRecorder", "init_args": {"path": str(run / "steps.jsonl")}},
-                          *callbacks],
+            "accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": devices, "max_steps": args.steps,
+            "precision": "bf16-mixed" if args.device == "cuda" else "32-true", "enable_progress_bar": False,
+            "num_sanity_val_steps": 0, "default_root_dir": str(run), "callbacks": callbacks,
+            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                        "init_args": {"save_dir": str(run), "name": "logs"}}],
         },
-        "warmup": {"warmup_steps": args.warmup},
+        "warmup": {"warmup_steps": warmup},
         "model": {"model_name": str(model_dir), "lr": 1e-5, "lr_schedule": "constant",
-                  "quant": {"amax_algo": "max", "history_len": args.history, "high_precision_layers": 1 if args.tiny else 5}},
+                  "quant": {"amax_algo": "max", "history_len": history, "high_precision_layers": 1 if args.tiny else 5}},
         "data": {"class_path": "qat_app.data.pretrain.PretrainDataModule",
                  "init_args": {"data_files": corpus, "dataset": None, "seq_len": args.seq_len,
-                               "micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch * args.accumulate,
-                               "val_documents": 16}},
+                               "micro_batch_size": args.micro_batch, "global_batch_size": global_batch}},
     }
+
+
+def fit_config(args, work: Path, name: str, model_dir: Path, corpus: str, callbacks: list) -> Path:
+    run = work / name
+    recorder = {"class_path": "benchmarks.gpu_fit_check.StepRecorder", "init_args": {"path": str(run / "steps.jsonl")}}
+    config = base_config(args, run, 1, model_dir, corpus, args.warmup, args.history, args.micro_batch * args.accumulate,
+                         [recorder, *callbacks])
+    config["trainer"].update(deterministic="warn", log_every_n_steps=2, check_val_every_n_epoch=None,
+                             val_check_interval=2 * args.steps * args.accumulate)
+    config["data"]["init_args"]["val_documents"] = 16
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     return run
@@ -179,12 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--assets", default=None, help="the bundle's assets/ (tokenizer, corpus.jsonl); default: embedded")
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--history", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--accumulate", type=int, default=2)
+    int_options(p, steps=12, warmup=4, history=4, seq_len=1024, micro_batch=4, accumulate=2)
     p.add_argument("--seed", type=int, default=None, help="picks the kill step (default: random)")
     args = p.parse_args(argv)
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_fit_"))
@@ -194,11 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_model_dir(work / "model", args.tiny, tokenizer_dir, args.device)
     checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                   # the newest checkpoint only, last.ckpt a link to it: a 1B model's is 16 GB with its optimizer
-                  "init_args": {"dirpath": None, "every_n_train_steps": kill, "save_last": "link", "save_top_k": 1}}
-    runs = {}
-    for name in ("a", "b"):
-        runs[name] = fit_config(args, work, name, model_dir, corpus, [])
-    checkpoint["init_args"]["dirpath"] = str(work / "c" / "checkpoints")
+                  "init_args": {"dirpath": str(work / "c" / "checkpoints"), "every_n_train_steps": kill,
+                                "save_last": "link", "save_top_k": 1}}
+    runs = {name: fit_config(args, work, name, model_dir, corpus, []) for name in ("a", "b")}
     runs["c"] = fit_config(args, work, "c", model_dir, corpus, [checkpoint, {"class_path": "benchmarks.gpu_fit_check.KillAt",
                                                                            "init_args": {"step": kill}}])
     result: dict = {"device": args.device, "steps": args.steps, "warmup": args.warmup, "killed_at": kill}

@@ -28,6 +28,8 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+import gpu_bundle
+
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_LIST = ROOT / "benchmarks" / "gpu_image.txt"
 IMAGE_PYTHON = (3, 12)
@@ -36,15 +38,6 @@ RECORD = "gpu_image.txt"  # in the environment: the list it was built from (and 
 NO_PYTHON = ("error: gpu-rehearsal needs a Python 3.12 (the GPU image's) and found none (not python3.12 on PATH, "
              "not under pyenv): install one (`pyenv install 3.12`, or `apt-get install python3.12 python3.12-venv`) "
              "or name it with QAT_APP_PYTHON312=/path/to/python3.12")
-
-
-def bundle_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_bundle
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return gpu_bundle
 
 
 def normalized(name: str) -> str:
@@ -118,7 +111,7 @@ def build_environment(python: str, venv: Path) -> Path:
     have = installed(venv_python)
     listed = image_packages(IMAGE_LIST.read_text())
     wrong = sorted(f"{n} {have.get(n)} (listed {v})" for n, v in listed.items() if have.get(n, "").split("+")[0] != v)
-    extra = sorted(n for n in map(normalized, bundle_module().MISSING) if n in have)
+    extra = sorted(n for n in map(normalized, gpu_bundle.MISSING) if n in have)
     if wrong or extra:
         raise SystemExit(f"error: gpu-rehearsal: {venv} is not the image: "
                          + "; ".join(([f"installed at other versions: {', '.join(wrong)}"] if wrong else [])
@@ -135,8 +128,7 @@ def bundle_is_current(bundle: Path) -> bool:
     if not manifest.is_file() or not (bundle / "assets" / "tokenizer").is_dir():
         return False
     info = json.loads(manifest.read_text())
-    module = bundle_module()
-    want = sorted((n, version(n)) for n in module.MISSING + module.PINNED)
+    want = sorted((n, version(n)) for n in gpu_bundle.MISSING + gpu_bundle.PINNED)
     have = sorted((w["name"], w["version"]) for w in info.get("wheels", []))
     files = all(w.get("file") and (bundle / "wheels" / w["file"]).is_file() for w in info.get("wheels", []))
     return info.get("python") == "%d.%d" % IMAGE_PYTHON and have == want and files

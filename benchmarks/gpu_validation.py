@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,6 @@ class Stage:
     status: str = "not run"
     seconds: float = 0.0
     shown: str = ""
-    result: dict = field(default_factory=dict)
 
 
 def result_line(text: str) -> dict:
@@ -101,10 +100,9 @@ def stages(gpu: bool, out: Path, assets: Path | None, gpus: int = 0) -> list[Sta
     device = "cuda" if gpu else "cpu"
     # every GPU of the machine (NCCL), or 2 processes in the CPU mode (gloo)
     spread = str(max(1, gpus)) if gpu else "2"
-    multi = [py, "benchmarks/fsdp_fit.py", "--device", device, "--devices", spread, "--steps", "8" if gpu else "4",
-             *(["--assets", str(assets)] if assets else []),
-             *([] if gpu else ["--tiny", "--seq-len", "64", "--micro-batch", "2"])]
     asset_flag = ["--assets", str(assets)] if assets else []
+    multi = [py, "benchmarks/fsdp_fit.py", "--device", device, "--devices", spread, "--steps", "8" if gpu else "4",
+             *asset_flag, *([] if gpu else ["--tiny", "--seq-len", "64", "--micro-batch", "2"])]
     kernel_tests = (["tests/test_backends.py", "tests/test_cuda_exact.py", "tests/test_gemm.py", "tests/test_health.py",
                      "tests/test_whatif.py", "tests/test_saturation.py", "tests/test_linear.py"] if gpu
                     else ["tests/test_cuda_exact.py"])

@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from qat_app.hif8.step_record import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
+from _common import int_options, seconds
+from step_overhead import LOG_INTERVALS, build_model, make_batches, read_counters
+
 from qat_app.config import QuantConfig, quantize_model
-from qat_app.hif8.counters import HEALTH, gather_columns
-from qat_app.hif8.health import summarize
 from qat_app.hif8.quantized import set_health_measurement
 from qat_app.hif8.scaling import AmaxScaler
 from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance
@@ -57,19 +57,12 @@ def timed_measurement(self, *args, **kwargs):
 
 class Run:
     def __init__(self, args) -> None:
-        from qat_app.models import load_causal_lm
-
         self.args = args
-        self.model, _ = load_causal_lm(args.model)
-        self.model.to(args.device).train()
-        self.model.config.use_cache = False
+        self.model = build_model(args)  # on the device, in training mode, without the KV cache
         quant = QuantConfig(amax_algo="max", history_len=8, high_precision_layers=5, fused=args.fused)
         self.report = quantize_model(self.model, quant)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
-        gen = torch.Generator().manual_seed(0)
-        vocab = self.model.config.vocab_size
-        self.batches = [torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=gen).to(args.device)
-                        for _ in range(args.accumulate)]
+        self.batches = make_batches(args, self.model.config.vocab_size)
         start_warmup(self.model)  # one observed step, then quantization on (histories seeded), as the recipe does
         self.step("baseline")
         end_warmup(self.model)
@@ -84,11 +77,7 @@ class Run:
             (self.model(input_ids=ids, labels=ids).loss / len(self.batches)).backward()
         sync_and_advance(self.model)
         start = time.perf_counter()
-        pairs = named_scalers(self.model)  # the callback's per-step read-out
-        counts = COUNT_FIELDS + ((WHATIF_COUNT,) if variant != "baseline" else ()) + ((HEALTH,) if variant == "health" else ())
-        columns = gather_columns(pairs, FIELDS, counts)
-        if variant == "health":
-            summarize(columns[HEALTH], columns["last_amax"])
+        read_counters(self.model, whatif=variant != "baseline", health=variant == "health")  # the callback's read-out
         self.readout = time.perf_counter() - start
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -96,23 +85,17 @@ class Run:
 
     def timed_step(self, variant: str) -> tuple[float, float, float]:
         """-> (step time, of which in AmaxScaler.measure, of which in the read-out)."""
-        sync = torch.cuda.synchronize if self.args.device == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        self.step(variant)
-        sync()
-        return time.perf_counter() - start, inside[0], self.readout
+        return seconds(lambda: self.step(variant), self.args.device), inside[0], self.readout
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded:smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--accumulate", type=int, default=2)
+    int_options(p, seq_len=128, micro_batch=4, accumulate=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--fused", default="auto")
+    p.set_defaults(openpangu=False)  # build_model: the --model itself
     args = p.parse_args()
     run = Run(args)
     print(f"device={args.device} model={args.model} tokens/step={args.micro_batch}x{args.seq_len}x{args.accumulate} "
@@ -138,7 +121,7 @@ def main() -> None:
     own = {v: 1.0 + statistics.median(direct[v]) for v in VARIANTS}
     print("time inside the measurements and the extra read-out, over the rest of the step (median of rounds): "
           + "  ".join(f"{v} {own[v] - 1:+.4f}" for v in VARIANTS[1:]))
-    for every in (1, 10, 50):
+    for every in LOG_INTERVALS:
         amortised = ((every - 1) * ratio["what-if"] + ratio["health"]) / every
         amortised_own = ((every - 1) * own["what-if"] + own["health"]) / every
         print(f"log_every_n_steps={every:>2}: step time ratio {amortised:.4f} (health + what-if vs none); "

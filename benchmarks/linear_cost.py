@@ -74,12 +74,10 @@ def measure(args) -> dict[str, dict[str, dict]]:
     results = {"bf16": count_layer(base, x, quantized=False)}
     recipe = HiF8Recipe(amax_algo="max", history_len=64)
     for gemm in args.gemm:
-        layer = HiF8Linear.from_linear(nn.Linear(args.in_features, args.out_features, bias=False),
-                                       recipe, RuntimeOptions(gemm=gemm))
-        results[gemm] = count_layer(layer, x, quantized=True)
-        layer = HiF8Linear.from_linear(nn.Linear(args.in_features, args.out_features, bias=False),
-                                       recipe, RuntimeOptions(gemm=gemm))
-        results[f"{gemm}+health"] = count_layer(layer, x, quantized=True, health=True)
+        for health in (False, True):  # a fresh layer each: a plain step, then a logging step (health measured)
+            layer = HiF8Linear.from_linear(nn.Linear(args.in_features, args.out_features, bias=False),
+                                           recipe, RuntimeOptions(gemm=gemm))
+            results[gemm + "+health" * health] = count_layer(layer, x, quantized=True, health=health)
     return {name: {part: count.as_dict() | {"by_name": dict(count.by_name),
                                                           "kernel_list": count.kernel_list,
                                                           "mb_by_name": {k: round(v / 1e6, 1) for k, v in

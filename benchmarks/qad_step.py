@@ -19,10 +19,11 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import int_options, seconds  # noqa: E402
 
 
 def _model(args, device):
@@ -30,11 +31,10 @@ def _model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 64),
         max_position_embeddings=args.seq, tie_word_embeddings=False)).to(device)
-    return model
 
 
 def _peak(device) -> float:
@@ -63,18 +63,13 @@ def worker(args) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     before = _peak(device)
-    times = []
-    for _ in range(args.repeats):
-        started = time.perf_counter()
-        if teacher is None:
-            loss = model(input_ids=ids, labels=ids).loss
-        else:
-            loss = teacher.loss(model, ids, ids, config)[0]
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss if teacher is None else teacher.loss(model, ids, ids, config)[0]
         loss.backward()
         model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
+
+    times = [seconds(step, device) for _ in range(args.repeats)]
     held = sum(p.numel() * p.element_size() for p in teacher.model.parameters()) / 2**20 if teacher else 0.0
     return {"kind": args.kind, "device": str(device), "peak_mib": _peak(device) - before, "teacher_mib": held,
             "seconds": sum(times[1:]) / max(1, len(times) - 1) if len(times) > 1 else times[0]}
@@ -82,12 +77,7 @@ def worker(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab", type=int, default=153_376)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    int_options(parser, vocab=153_376, hidden=256, layers=2, seq=512, batch=2, repeats=3)
     parser.add_argument("--kind", choices=("qat", "qad"), help=argparse.SUPPRESS)  # the worker's
     args = parser.parse_args(argv)
     if args.kind:

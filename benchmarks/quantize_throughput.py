@@ -17,9 +17,10 @@ uint8 codes written too) and the torch.compile build of the reference (``inducto
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+
+from _common import seconds
 
 from qat_app.hif8.backends.compiled import CompiledBackend
 from qat_app.hif8.fake_quant import dequantize_codes, fake_quantize
@@ -27,16 +28,7 @@ from qat_app.hif8.fake_quant import dequantize_codes, fake_quantize
 
 def timed(fn, device: str, repeats: int) -> float:
     fn()  # warm-up (and compilation)
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min((seconds(fn, device) for _ in range(repeats)), default=float("inf"))
 
 
 def main() -> None:

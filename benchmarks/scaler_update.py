@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from _common import seconds
 
 from qat_app.hif8.scaler_bank import advance_all
 from qat_app.hif8.scaling import AmaxScaler
@@ -43,7 +44,6 @@ def observe_again(scalers, device) -> None:
 
 
 def measure(update, scalers, device: str, repeats: int) -> tuple[int, float]:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     update(scalers)  # warm (and, for the batched update, stack once)
     observe_again(scalers, device)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -52,11 +52,7 @@ def measure(update, scalers, device: str, repeats: int) -> tuple[int, float]:
     times = []
     for _ in range(repeats):
         observe_again(scalers, device)
-        sync()
-        start = time.perf_counter()
-        update(scalers)
-        sync()
-        times.append(time.perf_counter() - start)
+        times.append(seconds(lambda: update(scalers), device))
     return ops, statistics.median(times)
 
 

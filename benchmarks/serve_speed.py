@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qat_app.errors import QATError  # noqa: E402
-from qat_app.export import engine_check  # noqa: E402
+from qat_app.export import checkpoint_bytes, engine_check  # noqa: E402
 
 EXPORTS = {  # name: the export's flags
     "fp8": ["--format", "compressed-tensors", "--serve_target", "any", "--dtype", "bfloat16"],
@@ -56,7 +56,7 @@ def serve_one(python: Path, path: Path, prompts: int, max_tokens: int, timeout: 
         return {"error": str(err)}
     return {"kernels": kernels, "load": result["load_seconds"], **result["generation"],
             "first": result["generations"][0]["completion"],
-            "mib": sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20}
+            "mib": checkpoint_bytes(path) / 2**20}
 
 
 def table(rows: dict[str, dict]) -> str:

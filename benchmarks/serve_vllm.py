@@ -20,7 +20,6 @@ outside its bound, 2 (one ``error:`` line) for bad input.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time

@@ -38,9 +38,14 @@ from unittest import mock
 
 import torch
 
+from _common import int_options, seconds
+
 from qat_app.config import QuantConfig, quantize_model
+from qat_app.hif8.counters import HEALTH, gather_columns
+from qat_app.hif8.health import summarize
 from qat_app.hif8.quantized import set_health_measurement
 from qat_app.hif8.scaling import AmaxScaler
+from qat_app.hif8.step_record import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
 from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance
 
 
@@ -96,19 +101,23 @@ class Variant:
                 loss.backward()
             if self.quantized:
                 sync_and_advance(self.model)  # the recipe's per-step protocol, as QATModule runs it
-                read_counters(self.model, diagnostics)
+                read_counters(self.model, whatif=diagnostics != "qat-whatif", health=diagnostics == "qat+health")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def timed_step(self, diagnostics: str = "qat") -> float:
-        if self.args.device == "cuda":
-            torch.cuda.synchronize()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        self.step(diagnostics)
-        if self.args.device == "cuda":
-            torch.cuda.synchronize()
+        cpu_start = time.process_time()
+        wall = seconds(lambda: self.step(diagnostics), self.args.device)
         self.cpu_seconds = time.process_time() - cpu_start  # every thread of the process: what stolen cycles miss
-        return time.perf_counter() - start
+        return wall
+
+
+def variant_pair(args, first: tuple, second: tuple) -> tuple[Variant, Variant]:
+    """Two variants of one model, the first on a copy of it (the same weights), on the same batches: each given as
+    Variant's ``(quantized, gemm)``."""
+    model = build_model(args)
+    batches = make_batches(args, model.config.vocab_size)
+    return Variant(copy.deepcopy(model), batches, args, *first), Variant(model, batches, args, *second)
 
 
 # the variants of one round: the baseline, QAT at the defaults (what-if on every step), a logging step (health
@@ -129,16 +138,12 @@ def diagnostics_as(model: torch.nn.Module, diagnostics: str):
     set_health_measurement(model, False)
 
 
-def read_counters(model: torch.nn.Module, diagnostics: str) -> None:
-    """The saturation callback's per-step read-out (one device->host copy), with the health vectors on a logging
-    step."""
-    from qat_app.hif8.step_record import COUNT_FIELDS, FIELDS, WHATIF_COUNT, named_scalers
-    from qat_app.hif8.counters import HEALTH, gather_columns
-    from qat_app.hif8.health import summarize
-
-    counts = COUNT_FIELDS + ((WHATIF_COUNT,) if diagnostics != "qat-whatif" else ())
-    columns = gather_columns(named_scalers(model), FIELDS, counts + ((HEALTH,) if diagnostics == "qat+health" else ()))
-    if diagnostics == "qat+health":
+def read_counters(model: torch.nn.Module, whatif: bool, health: bool) -> None:
+    """The saturation callback's per-step read-out (one device->host copy): the counts, the what-if's with
+    ``whatif``, and the health vectors (summarized) on a logging step (``health``)."""
+    counts = COUNT_FIELDS + ((WHATIF_COUNT,) if whatif else ()) + ((HEALTH,) if health else ())
+    columns = gather_columns(named_scalers(model), FIELDS, counts)
+    if health:
         summarize(columns[HEALTH], columns["last_amax"])
 
 
@@ -208,9 +213,7 @@ def profile_steps(args) -> None:
 
     from qat_app.step_profile import StepProfile, categorize
 
-    first = build_model(args)
-    batches = make_batches(args, first.config.vocab_size)
-    variants = {"bf16": Variant(copy.deepcopy(first), batches, args, False), "qat": Variant(first, batches, args, True)}
+    variants = dict(zip(("bf16", "qat"), variant_pair(args, (False,), (True,))))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     diagnostics = "qat+health" if args.profile_health else "qat"
     for name, v in variants.items():
@@ -225,10 +228,8 @@ def profile_steps(args) -> None:
 
 def compare_gemm(args) -> None:
     """QAT with the emulated GEMM against QAT dequantizing first: median step-time ratio, same process."""
-    first = build_model(args)
-    batches = make_batches(args, first.config.vocab_size)
-    variants = {"dequantize_first": Variant(copy.deepcopy(first), batches, args, True, "dequantize_first"),
-                "emulated": Variant(first, batches, args, True, "emulated")}
+    variants = dict(zip(("dequantize_first", "emulated"),
+                        variant_pair(args, (True, "dequantize_first"), (True, "emulated"))))
     print(f"device={args.device} model={'openpangu-shaped' if args.openpangu else args.model} "
           f"tokens/step={args.micro_batch}x{args.seq_len}x{args.accumulate} bf16={args.bf16} fused={args.fused}")
     for v in variants.values():
@@ -250,12 +251,9 @@ def main() -> None:
     p.add_argument("--openpangu", action="store_true", help="random OpenPangu-Embedded-1B-shaped Llama")
     p.add_argument("--vocab", type=int, default=153376)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--accumulate", type=int, default=2)
+    int_options(p, seq_len=256, micro_batch=4, accumulate=2)
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
-    p.add_argument("--mem-steps", type=int, default=2)
-    p.add_argument("--high-precision-layers", type=int, default=5)
+    int_options(p, mem_steps=2, high_precision_layers=5)
     p.add_argument("--fused", default="auto")
     p.add_argument("--gemm", default="emulated", help="model.quant.gemm of the QAT variant")
     p.add_argument("--compare-gemm", action="store_true",
@@ -281,11 +279,7 @@ def main() -> None:
         return compare_gemm(args)
     if args.profile:
         return profile_steps(args)
-    base_model = build_model(args)
-    qat_model = copy.deepcopy(base_model)
-    batches = make_batches(args, base_model.config.vocab_size)
-    base = Variant(base_model, batches, args, quantized=False)
-    qat = Variant(qat_model, batches, args, quantized=True)
+    base, qat = variant_pair(args, (False,), (True,))
     print(f"device={args.device} model={'openpangu-shaped' if args.openpangu else args.model} "
           f"tokens/step={args.micro_batch}x{args.seq_len}x{args.accumulate} bf16={args.bf16} fused={args.fused}")
     print(qat.report.summary())
@@ -303,9 +297,8 @@ def main() -> None:
     if args.device == "cpu":  # on a shared machine, steal time moves the wall clock; the CPU time less so
         print("process CPU time (both cores):")
         report_step_ratios(cpu_times)
-    qat = base = None
+    batches, qat, base = qat.batches, None, None  # the models freed
     if args.device == "cuda":
-        del base_model, qat_model
         peaks = {}
         for name in ("bf16", "qat"):
             torch.cuda.empty_cache()

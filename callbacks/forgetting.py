@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MEASURES = ("acc_norm", "p_gold_norm")
 ACTIONS = ("warn", "stop")
-KL_METRIC = KL
 KL_PARTS = {"drift": DRIFT, "total": KL}  # forgetting.kl_budget_part -> the metric the budget bounds
 STOP_FILE = "forgetting-stop-step={step}.ckpt"
 INITIAL_FILE = os.path.basename(records_path("", "val", 0))  # val_step0000000.jsonl

@@ -50,7 +50,7 @@ class StepLogCallback(L.Callback):
             parts.append("clipped " + format_clipped(m.get("sat/clipped"), m["sat/clipped_frac"]))
         layers = getattr(pl_module, "quantized_linears", lambda: [])()
         if layers:
-            on = layers[0][1].quantize_activations or layers[0][1].quantize_weights
+            on = layers[0][1].quantizes_forward()
             parts.append("QAT" if on else "warmup (BF16, observing)")
         parts.append(f"{time.perf_counter() - self._start:.0f}s elapsed")
         log.info(" | ".join(parts))

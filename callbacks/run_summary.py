@@ -231,44 +231,11 @@ class RunSummaryCallback(L.Callback):
 
     def render(self, trainer: L.Trainer, log_dir: str | None, sat: dict | None, sat_file: str | None) -> str:
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
-        lines = [f"=== run summary: {trainer.global_step} of {trainer.max_steps} optimizer steps ===",
-                 *interval_lines(trainer)]
-        if "train/loss" in m:
-            lines.append(f"train loss    {m['train/loss']:.4f} (last step)")
-        if DISTILL_KL in m:
-            lines.append(f"distillation  KL(teacher || student) {m[DISTILL_KL]:.4f}, CE {m.get(DISTILL_CE, math.nan):.4f} "
-                         "nats/token (last step)")
-        if "val/loss" in m:
-            ppl = f"   perplexity {m['val/ppl']:.2f}" if "val/ppl" in m else ""
-            lines.append(f"val loss      {m['val/loss']:.4f}{ppl}")
-        else:
-            lines.append("val loss      - (no validation ran)")
-        for key in sorted(k for k in m if k.startswith("val/") and k.endswith("/count")):
-            task, n = key[len("val/"):-len("/count")], m[key]
-            scores = [f"{name} {m[f'val/{task}/{name}']:.4f} +- {stderr(m[f'val/{task}/{name}'], n):.4f}"
-                      for name in ("acc", "acc_norm") if f"val/{task}/{name}" in m]
-            selected = m.get(f"val/{task}/selected")
-            scored = f"n={int(n)}" if selected is None else f"n={int(n)}/{int(selected)}"  # scored / selected
-            if selected is not None and n < selected:
-                scored += f" (only {int(n)} of the {int(selected)} selected examples scored)"
-            lines.append(f"{task:<13} {'   '.join(scores)}   {scored}")
-        lines += forgetting_lines(trainer, log_dir, m)
-        lines += floor_lines(_floor_callback(trainer))
         unquantized = sat is not None and not sat.get("quantized_tensors")
-        if sat and not unquantized:
-            lines.append(f"saturation    {sat['clipped']} of {sat['seen']:.3g} quantized elements clipped "
-                         f"({sat['clipped_frac']:.1e}), {sat['saturation_events']} saturation events"
-                         + (f" [{_show(sat_file)}]" if sat_file else ""))
-            if sat.get("min_headroom") is not None:
-                first = sat.get("first_clipped_step")
-                lines.append(f"              min headroom (a_hat / amax) {sat['min_headroom']:.3f}; "
-                             + (f"first clipped at step {first}" if first is not None else "nothing clipped"))
-            lines += headroom_lines(sat.get("headroom")) + forecast_lines(sat.get("forecast"))
-            lines += fallback_lines(sat.get("fallback") or [], sat.get("fallback_stopped"))
-        else:
-            lines.append("saturation    - " + ("(no quantized layers: an unquantized run)" if unquantized else "(no totals)"))
-        lines += profile_lines(trainer)
-        lines.append(f"logs          {_show(log_dir)}")
+        lines = [f"=== run summary: {trainer.global_step} of {trainer.max_steps} optimizer steps ===",
+                 *interval_lines(trainer), *_metric_lines(m), *forgetting_lines(trainer, log_dir, m),
+                 *floor_lines(_floor_callback(trainer)), *_saturation_lines(sat, sat_file, unquantized),
+                 *profile_lines(trainer), f"logs          {_show(log_dir)}"]
         checkpoint = callback_of(trainer, ModelCheckpoint)
         last = None
         if checkpoint is not None:
@@ -276,22 +243,65 @@ class RunSummaryCallback(L.Callback):
             lines.append(f"checkpoints   {_show(checkpoint.dirpath)}" + (f" (last: {_show(last)})" if last else ""))
         else:
             lines.append("checkpoints   - (no ModelCheckpoint configured)")
+        return "\n".join(lines + self._next_lines(trainer, log_dir, last, unquantized))
+
+    def _next_lines(self, trainer: L.Trainer, log_dir: str | None, last: str | None, unquantized: bool) -> list[str]:
+        """The commands that come next: the report, the exports, vLLM."""
         root = trainer.default_root_dir
         run_dir = root if log_dir and os.path.abspath(log_dir).startswith(os.path.abspath(root) + os.sep) else log_dir
         run_dir = _show(run_dir)
-        lines.append("next:")
-        if not unquantized:
-            lines.append(f"  report      python main.py report --baseline {self.baseline or '<bf16 baseline run>'} --qat {run_dir}")
-            name = os.path.basename(os.path.normpath(run_dir)) if run_dir != "-" else "run"
-            export = f"python main.py export --ckpt_path {_show(last) if last else '<checkpoint>'} " \
-                     f"--out {os.path.join(self.export_dir, name)}"
-            config = os.path.join(log_dir, "config.yaml") if log_dir else None
-            compare = f" --compare --config {_show(config)}" if config and os.path.isfile(config) else ""
-            lines.append(f"  export      {export}")
-            lines.append(f"  serve       {export}-fp8 --format compressed-tensors{compare}")
-            if compare:  # the same export served by vLLM itself, measured against this run
-                lines.append(f"  on vLLM     python benchmarks/serve_vllm.py --ckpt_path {_show(last) if last else '<checkpoint>'} "
-                             f"--config {_show(config)} --out {os.path.join(self.export_dir, name)}-fp8")
-        else:
-            lines.append(f"  report      python main.py report --baseline {run_dir} --qat <QAT run>")
-        return "\n".join(lines)
+        if unquantized:
+            return ["next:", f"  report      python main.py report --baseline {run_dir} --qat <QAT run>"]
+        lines = ["next:", f"  report      python main.py report --baseline {self.baseline or '<bf16 baseline run>'} "
+                          f"--qat {run_dir}"]
+        name = os.path.basename(os.path.normpath(run_dir)) if run_dir != "-" else "run"
+        export = f"python main.py export --ckpt_path {_show(last) if last else '<checkpoint>'} " \
+                 f"--out {os.path.join(self.export_dir, name)}"
+        config = os.path.join(log_dir, "config.yaml") if log_dir else None
+        compare = f" --compare --config {_show(config)}" if config and os.path.isfile(config) else ""
+        lines.append(f"  export      {export}")
+        lines.append(f"  serve       {export}-fp8 --format compressed-tensors{compare}")
+        if compare:  # the same export served by vLLM itself, measured against this run
+            lines.append(f"  on vLLM     python benchmarks/serve_vllm.py --ckpt_path {_show(last) if last else '<checkpoint>'} "
+                         f"--config {_show(config)} --out {os.path.join(self.export_dir, name)}-fp8")
+        return lines
+
+
+def _metric_lines(m: dict[str, float]) -> list[str]:
+    """The last step's losses, the validation loss and each benchmark's scores."""
+    lines = []
+    if "train/loss" in m:
+        lines.append(f"train loss    {m['train/loss']:.4f} (last step)")
+    if DISTILL_KL in m:
+        lines.append(f"distillation  KL(teacher || student) {m[DISTILL_KL]:.4f}, CE {m.get(DISTILL_CE, math.nan):.4f} "
+                     "nats/token (last step)")
+    if "val/loss" in m:
+        ppl = f"   perplexity {m['val/ppl']:.2f}" if "val/ppl" in m else ""
+        lines.append(f"val loss      {m['val/loss']:.4f}{ppl}")
+    else:
+        lines.append("val loss      - (no validation ran)")
+    for key in sorted(k for k in m if k.startswith("val/") and k.endswith("/count")):
+        task, n = key[len("val/"):-len("/count")], m[key]
+        scores = [f"{name} {m[f'val/{task}/{name}']:.4f} +- {stderr(m[f'val/{task}/{name}'], n):.4f}"
+                  for name in ("acc", "acc_norm") if f"val/{task}/{name}" in m]
+        selected = m.get(f"val/{task}/selected")
+        scored = f"n={int(n)}" if selected is None else f"n={int(n)}/{int(selected)}"  # scored / selected
+        if selected is not None and n < selected:
+            scored += f" (only {int(n)} of the {int(selected)} selected examples scored)"
+        lines.append(f"{task:<13} {'   '.join(scores)}   {scored}")
+    return lines
+
+
+def _saturation_lines(sat: dict | None, sat_file: str | None, unquantized: bool) -> list[str]:
+    """The run's clipping, headroom, forecast and fallback totals."""
+    if not sat or unquantized:
+        return ["saturation    - " + ("(no quantized layers: an unquantized run)" if unquantized else "(no totals)")]
+    lines = [f"saturation    {sat['clipped']} of {sat['seen']:.3g} quantized elements clipped "
+             f"({sat['clipped_frac']:.1e}), {sat['saturation_events']} saturation events"
+             + (f" [{_show(sat_file)}]" if sat_file else "")]
+    if sat.get("min_headroom") is not None:
+        first = sat.get("first_clipped_step")
+        lines.append(f"              min headroom (a_hat / amax) {sat['min_headroom']:.3f}; "
+                     + (f"first clipped at step {first}" if first is not None else "nothing clipped"))
+    lines += headroom_lines(sat.get("headroom")) + forecast_lines(sat.get("forecast"))
+    return lines + fallback_lines(sat.get("fallback") or [], sat.get("fallback_stopped"))

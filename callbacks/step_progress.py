@@ -43,7 +43,7 @@ def phase(pl_module: L.LightningModule) -> str:
     if not layers:
         return "step"
     layer = layers[0][1]
-    return "QAT" if layer.quantize_weights or layer.quantize_activations else "warmup"
+    return "QAT" if layer.quantizes_forward() else "warmup"
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -263,14 +263,9 @@ def validate_resume_checkpoint(
         if k in saved and isinstance(v, torch.Tensor) and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape
     ]
     diffs = hparam_differences(ckpt.get("hyper_parameters"), getattr(module, "hparams", None))
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing: {listed(missing)}")
-        if unexpected:
-            parts.append(f"unexpected: {listed(unexpected)}")
-        if mismatched:
-            parts.append(f"other shape: {listed(mismatched)}")
+    parts = [f"{what}: {listed(keys)}" for what, keys in
+             (("missing", missing), ("unexpected", unexpected), ("other shape", mismatched)) if keys]
+    if parts:
         hint = f"; settings that differ (checkpoint -> now): {listed(diffs)}" if diffs else ""
         raise CheckpointError(
             f"checkpoint {path} does not belong to this model"
@@ -303,9 +298,7 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
     if hasattr(value, "to_dict"):
         value = value.to_dict()
     elif hasattr(value, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        value = asdict(value)
+        value = dataclasses.asdict(value)
     if isinstance(value, dict) or (hasattr(value, "items") and not isinstance(value, (str, bytes))):
         for k, v in value.items():
             _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)

@@ -62,15 +62,12 @@ def _yaml_problem(files: list[str]) -> str | None:
 
 
 def _flag_names(parser) -> list[str]:
-    names = []
-    for action in getattr(parser, "_actions", []):
-        names += [s for s in getattr(action, "option_strings", []) if s.startswith("--")]
-    return names
+    return [s for action in getattr(parser, "_actions", []) for s in getattr(action, "option_strings", [])
+            if s.startswith("--")]
 
 
 def _class_suggestion(given: str) -> str:
-    short = given.rsplit(".", 1)[-1]
-    module_name = given.rsplit(".", 1)[0] if "." in given else None
+    module_name, _, short = given.rpartition(".")
     candidates: dict[str, str] = {}
     for name in ([module_name] if module_name else []) + list(_CLASS_MODULES):
         try:
@@ -108,11 +105,9 @@ def _value_problem(key: str, text: str) -> str:
     if cls:
         path = cls.group(1) or cls.group(2)
         return f"{key}.class_path={path}: no such class{_class_suggestion(path)}"
-    allowed = []
-    for group in _LITERAL_RE.findall(text):
-        allowed += [v.strip().strip("'\"") for v in group.split(",") if v.strip()]
+    allowed = list(dict.fromkeys(v.strip().strip("'\"") for group in _LITERAL_RE.findall(text)
+                                 for v in group.split(",") if v.strip()))
     if allowed:
-        allowed = list(dict.fromkeys(allowed))
         shown = value if value is not None else "?"
         return f"{key}={shown}: expected one of {', '.join(allowed)}{did_you_mean(shown, allowed)}"
     lines = [line.strip(" -") for line in text.splitlines()[1:] if line.strip()]

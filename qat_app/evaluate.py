@@ -185,7 +185,6 @@ def score_served(export_dir: str, tasks, args) -> tuple[Scored, dict]:
 
 def evaluate(args) -> dict:
     """The whole command (module doc) -> the summary written to ``evaluate.json``."""
-    from .eval import harness_pairing as pairing
     from .eval.harness_tasks import resolve_tasks
 
     out = Path(args.output_path)
@@ -216,42 +215,63 @@ def evaluate(args) -> dict:
         "baseline": None if baseline is None else baseline.label, "tasks": list(args.tasks), "leaves": tasks.leaves,
         "limit": args.limit, "num_fewshot": args.num_fewshot, "batch_size": args.batch_size,
         "offline": tasks.offline, "data": tasks.notes, "higher_is_better": model.higher_is_better,
-        "results": {"model": model.results}, "cost": {},
+        "results": {"model": model.results}, "cost": _cost(model, baseline),
         "noise_floor": {"seeds": list(args.noise_floor_seeds) if model.quantized and model.directory is None else [],
                         "floors": [{"task": t, "metric": m, "filter": f, "floor": v}
                                    for (t, m, f), v in sorted((model.floors or {}).items())],
                         "note": None if model.quantized else "an unquantized model's floor is 0"},
     }
-    for side in (model, baseline):
-        if side is not None and side.seconds is not None:
-            documents = _documents(side.samples)
-            summary["cost"]["model" if side is model else "baseline"] = {
-                "seconds": side.seconds, "documents": documents, "documents_per_second": documents / side.seconds}
     if baseline is not None:
         summary["results"]["baseline"] = baseline.results
         summary.update(paired_summary(baseline.samples, model.samples, model))
         summary["measures"] = continuous_measures(baseline.samples, model.samples)
-        reference = models["baseline"]
-        if reference is None and baseline.directory is not None and args.drift_prompts > 0 and models["model"]:
-            reference = load_evaluated(baseline.label, args.device, args.dtype, args.trust_remote_code)
-        if args.drift_prompts > 0 and models["model"] is not None and reference is not None:
-            from .eval.generation_drift import generation_drift
-
-            prompts = drift_prompts(model.samples, args.drift_prompts)
-            drift = generation_drift(reference.model, models["model"].model, models["model"].tokenizer, prompts,
-                                     args.drift_tokens, forward_context=models["model"].forward_context())
-            summary["generation_drift"] = drift.to_dict()
-            log.info("%s", drift.describe())
+        drift = _generation_drift(args, model, baseline, models)
+        if drift is not None:
+            summary["generation_drift"] = drift
     if args.served:
-        served, kernels = score_served(args.served, tasks, args)
-        (out / "served").mkdir(exist_ok=True)
-        (out / "served" / "samples.json").write_text(json.dumps(served.samples, default=str))
-        summary["served"] = {"export": args.served, "label": served.label, "kernels": kernels,
-                             "results": served.results, **paired_summary(model.samples, served.samples, model),
-                             "logliks": pairing.loglik_agreement(model.samples, served.samples),
-                             "cost": {"seconds": served.seconds, "documents": _documents(served.samples)}}
+        summary["served"] = _served_summary(args, tasks, out, model)
     (out / EVALUATION_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def _cost(*sides: Scored | None) -> dict:
+    """Seconds and documents per second of the sides scored here (the model, the baseline)."""
+    cost = {}
+    for role, side in zip(("model", "baseline"), sides):
+        if side is not None and side.seconds is not None:
+            documents = _documents(side.samples)
+            cost[role] = {"seconds": side.seconds, "documents": documents,
+                          "documents_per_second": documents / side.seconds}
+    return cost
+
+
+def _generation_drift(args, model: Scored, baseline: Scored, models: dict) -> dict | None:
+    """How far the model's greedy continuations drift from the baseline's (None: not asked, or no model loaded)."""
+    reference = models["baseline"]
+    if reference is None and baseline.directory is not None and args.drift_prompts > 0 and models["model"]:
+        reference = load_evaluated(baseline.label, args.device, args.dtype, args.trust_remote_code)
+    if args.drift_prompts <= 0 or models["model"] is None or reference is None:
+        return None
+    from .eval.generation_drift import generation_drift
+
+    prompts = drift_prompts(model.samples, args.drift_prompts)
+    drift = generation_drift(reference.model, models["model"].model, models["model"].tokenizer, prompts,
+                             args.drift_tokens, forward_context=models["model"].forward_context())
+    log.info("%s", drift.describe())
+    return drift.to_dict()
+
+
+def _served_summary(args, tasks, out: Path, model: Scored) -> dict:
+    """The export served by vLLM, scored on the same documents and paired with the model."""
+    from .eval import harness_pairing as pairing
+
+    served, kernels = score_served(args.served, tasks, args)
+    (out / "served").mkdir(exist_ok=True)
+    (out / "served" / "samples.json").write_text(json.dumps(served.samples, default=str))
+    return {"export": args.served, "label": served.label, "kernels": kernels,
+            "results": served.results, **paired_summary(model.samples, served.samples, model),
+            "logliks": pairing.loglik_agreement(model.samples, served.samples),
+            "cost": {"seconds": served.seconds, "documents": _documents(served.samples)}}
 
 
 def paired_summary(before: dict, after: dict, model: Scored) -> dict:

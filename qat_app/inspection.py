@@ -290,11 +290,6 @@ def _checkpoint_state(ckpt_path, weights_only: bool | None, check_only: bool = F
     return state
 
 
-def _load_scales(module, ckpt_path: str, weights_only: bool | None) -> None:
-    """The checkpoint's weights and amax histories into ``module`` (:func:`_checkpoint_state`'s checks)."""
-    module.load_state_dict(_checkpoint_state(ckpt_path, weights_only))
-
-
 def _module_pattern_suggestion(model, selection, measured_k: int, below: list[str]) -> tuple[str | None, str]:
     """A module_pattern that keeps the measured layout but leaves out exactly ``below``, checked against the model
     -> (pattern or None, why none)."""
@@ -351,8 +346,8 @@ def measure(trainer, module, datamodule, ckpt_path, weights_only, options, confi
     if not quantized_linears(model):
         raise InspectError("model.quant.enabled=false" + (" in the checkpoint" if ckpt_path else "")
                            + ": no layer is quantized, there is nothing to compare")
-    if ckpt_path:
-        _load_scales(module, ckpt_path, weights_only)
+    if ckpt_path:  # the checkpoint's weights and amax histories (:func:`_checkpoint_state`'s checks)
+        module.load_state_dict(_checkpoint_state(ckpt_path, weights_only))
     recipe = quantized_linears(model)[0][1].recipe
     current = recipe.amax_algo == "current" or (not ckpt_path and options.calibration == "current")
     calibration_batches = 0 if ckpt_path or current else (options.calibration_batches or options.batches)

@@ -72,22 +72,10 @@ OPENPANGU_EMBEDDED_1B: dict[str, Any] = {
 # rope_parameters; head_dim (absent or null: hidden_size // num_attention_heads, as upstream); mlp_bias=False
 # (upstream's MLP has no bias whatever the config says); num_key_value_heads null -> num_attention_heads.
 FIELD_MAP: dict[str, str] = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size",
-    "num_hidden_layers": "num_hidden_layers",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_key_value_heads",
-    "hidden_act": "hidden_act",
-    "max_position_embeddings": "max_position_embeddings",
-    "initializer_range": "initializer_range",
-    "rms_norm_eps": "rms_norm_eps",
-    "use_cache": "use_cache",
-    "pad_token_id": "pad_token_id",
-    "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id",
-    "tie_word_embeddings": "tie_word_embeddings",
-    "attention_dropout": "attention_dropout",
+    **{key: key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",
+                            "initializer_range", "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id",
+                            "eos_token_id", "tie_word_embeddings", "attention_dropout")},
     "bias": "attention_bias",
 }
 # config.json bookkeeping that has no bearing on the model.
@@ -204,8 +192,7 @@ def model_from_config(config: Mapping, *, dtype: torch.dtype = torch.float32, so
     build it under ``torch.device("meta")`` for a weightless one)."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(llama_config(config, source))
-    return model.to(dtype)
+    return LlamaForCausalLM(llama_config(config, source)).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -213,6 +200,13 @@ def _describe(keys, limit: int = 8) -> str:
     keys = sorted(str(k) for k in keys)
     more = f" ... (+{len(keys) - limit} more)" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
+
+
+def _where(src: str, local: bool, revision: str | None, cache_dir: str | None) -> tuple[str, dict[str, Any]]:
+    """The checkpoint's name in messages (a local one: absolute), and ``from_pretrained``'s ``revision`` and (for a
+    hub id) ``cache_dir`` where given."""
+    kwargs = {"revision": revision, "cache_dir": None if local else cache_dir}
+    return str(Path(src).absolute()) if local else src, {k: v for k, v in kwargs.items() if v is not None}
 
 
 def load_model(
@@ -228,12 +222,7 @@ def load_model(
     every tensor of the checkpoint used, every parameter of the model loaded, same shapes."""
     from transformers import LlamaForCausalLM
 
-    name = str(Path(src).absolute()) if local else src
-    kwargs: dict[str, Any] = {}
-    if revision is not None:
-        kwargs["revision"] = revision
-    if cache_dir is not None and not local:
-        kwargs["cache_dir"] = cache_dir
+    name, kwargs = _where(src, local, revision, cache_dir)
     try:
         model, info = LlamaForCausalLM.from_pretrained(
             src, config=llama_config(config, name), dtype=dtype, output_loading_info=True,
@@ -244,13 +233,9 @@ def load_model(
         if local:
             raise OpenPanguError(f"openPangu checkpoint {name}: no loadable weights ({err})") from err
         raise
-    problems = []
-    if info.get("missing_keys"):
-        problems.append(f"missing from the checkpoint: {_describe(info['missing_keys'])}")
-    if info.get("unexpected_keys"):
-        problems.append(f"not in the model (unexpected): {_describe(info['unexpected_keys'])}")
-    if info.get("mismatched_keys"):
-        problems.append(f"shape differs: {_describe(info['mismatched_keys'])}")
+    problems = [f"{what}: {_describe(info[key])}" for key, what in (
+        ("missing_keys", "missing from the checkpoint"), ("unexpected_keys", "not in the model (unexpected)"),
+        ("mismatched_keys", "shape differs")) if info.get(key)]
     if info.get("error_msgs"):
         problems.append("; ".join(map(str, info["error_msgs"])))
     if problems:
@@ -265,15 +250,11 @@ def load_tokenizer(src: str, *, local: bool, revision: str | None = None, cache_
     transformers' own SentencePiece conversion; saved copies load with plain ``AutoTokenizer``."""
     from transformers import PreTrainedTokenizerFast
 
-    name = str(Path(src).absolute()) if local else src
+    name, kwargs = _where(src, local, revision, cache_dir)
     if local and not any((Path(src) / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
         raise OpenPanguError(f"openPangu checkpoint {name} has no tokenizer.model (nor tokenizer.json)")
-    kwargs: dict[str, Any] = {"legacy": True}  # upstream prefixes every chunk between added tokens
-    if revision is not None:
-        kwargs["revision"] = revision
-    if cache_dir is not None and not local:
-        kwargs["cache_dir"] = cache_dir
-    tok = PreTrainedTokenizerFast.from_pretrained(src, **kwargs)
+    # legacy: upstream prefixes every chunk between added tokens
+    tok = PreTrainedTokenizerFast.from_pretrained(src, legacy=True, **kwargs)
     # a saved copy must not point AutoTokenizer at the remote tokenization_openpangu.py
     tok.init_kwargs.pop("auto_map", None)
     if tok.init_kwargs.get("tokenizer_class") == OPENPANGU_TOKENIZER_CLASS:

@@ -83,11 +83,9 @@ def sharded_metadata(path: str, weights_only: bool | None = None):
         needed: dict[str, int] = {}
         for info in metadata.storage_data.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    except pickle.UnpicklingError as err:
-        if "Weights only load failed" in str(err):
-            raise unsafe_file_error(os.path.join(path, ".metadata"), err) from None
-        raise _unreadable(path, ".metadata", err) from err
     except Exception as err:
+        if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
+            raise unsafe_file_error(os.path.join(path, ".metadata"), err) from None
         raise _unreadable(path, ".metadata", err) from err
     missing = [f for f in sorted(needed) if not os.path.isfile(os.path.join(path, f))]
     short = [f"{f} ({os.path.getsize(os.path.join(path, f)):,} of {size:,} bytes)" for f, size in sorted(needed.items())

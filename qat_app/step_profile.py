@@ -174,14 +174,6 @@ class StepProfile:
         return "\n".join(lines)
 
 
-def read_profile(log_dir: str) -> StepProfile | None:
-    path = os.path.join(log_dir, PROFILE_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return StepProfile.from_dict(json.load(f))
-
-
 class StepProfiler(Profiler):
     """Lightning's profiler interface over ``torch.profiler`` for ``steps`` optimizer steps (see the module
     docstring). ``steps=0`` (the default) records nothing and costs nothing.

@@ -7,6 +7,7 @@ import lightning as L
 import yaml
 
 from qat_app.hif8.patch import quantized_linears
+from qat_app.hif8.operand import Operand
 
 WARMUP, STEPS, HISTORY = 3, 6, 5
 # a few offline benchmark questions for fits that need per-example records (seconds on the tiny model)
@@ -27,7 +28,7 @@ class PhaseRecorder(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         layers = [m for _, m in quantized_linears(pl_module.model)]
         self.phases[trainer.global_step] = (
-            all(m.quantize_weights for m in layers), all(m.quantize_activations for m in layers))
+            all(m.quantizes(Operand.WEIGHT) for m in layers), all(m.quantizes(Operand.INPUT) for m in layers))
         if trainer.global_step == WARMUP:  # the first QAT step, before its own amax is pushed
             self.history_at_switch = layers[0].input_scaler.amax_history.clone()
 

@@ -13,6 +13,7 @@ from qat_app.eval import harness_pairing as pairing
 from qat_app.eval.generation_drift import generation_drift
 from qat_app.eval.harness_tasks import TaskError, resolve_tasks
 from qat_app.eval.sources import local_data_root
+from qat_app.hif8.operand import Operand
 
 TASKS = "arc_challenge,boolq,nq_open"
 
@@ -214,7 +215,8 @@ def test_evaluate_scores_the_exact_w8a8_model_as_lm_eval_does(evaluated_run):
     tokenizer = AutoTokenizer.from_pretrained(module.hparams.model_name)
     plain = load_qat_checkpoint(ckpt)
     for _, layer in __import__("qat_app.hif8.patch", fromlist=["x"]).quantized_linears(plain.model):
-        layer.quantize_weights = layer.quantize_activations = False
+        layer.switch(Operand.WEIGHT, False)
+        layer.switch(Operand.INPUT, False)
     differs = 0
     for sample in _logged(out, "model", "arc_challenge") + _logged(out, "model", "boolq"):
         for request, response in zip(sample["arguments"].values(), sample["resps"]):

@@ -22,6 +22,7 @@ from qat_app.export import (
 )
 from qat_app.hif8.patch import quantized_linears
 from qat_app.hif8.scaling import all_scalers
+from qat_app.hif8.operand import Operand
 
 from tests._tiny_models import batch, logits, tiny_qat
 
@@ -127,13 +128,13 @@ def test_the_same_model_exports_to_the_same_bytes(tmp_path):
 def test_untied_model_and_weight_quantization_off(tmp_path):
     model = tiny_qat(tie=False)
     name, layer = quantized_linears(model)[0]
-    layer.quantize_weights = False  # e.g. exported during the BF16 warmup
+    layer.switch(Operand.WEIGHT, False)  # e.g. exported during the BF16 warmup
     expected = logits(model, batch())
     layout = export_hif8(model, tmp_path / "exp")
     assert layout["aliases"] == {}
     assert layout["quantized_layers"][name]["weight"] == "dense"
     loaded = load_hif8(tmp_path / "exp")
-    assert loaded.get_submodule(name).quantize_weights is False
+    assert loaded.get_submodule(name).quantizes(Operand.WEIGHT) is False
     assert torch.equal(logits(loaded, batch()), expected)
 
 

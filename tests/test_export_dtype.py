@@ -12,6 +12,7 @@ import torch
 from qat_app.export.cli import main as export_main
 from qat_app.export.qat_checkpoint import load_qat_checkpoint, run_dtype
 from qat_app.module import CHECKPOINT_KEY
+from qat_app.hif8.operand import Operand
 from tests._tiny_models import save_qat_checkpoint
 
 
@@ -58,7 +59,7 @@ def test_a_bf16_mixed_fits_export_holds_the_codes_it_trained_with(tmp_path, tiny
     ckpt = str(tmp_path / "run" / "ckpt" / "last.ckpt")
     module = load_qat_checkpoint(ckpt)
     layers = {name.removeprefix("model."): m for name, m in module.named_modules() if isinstance(m, HiF8Linear)}
-    assert layers and all(m.quantize_weights for m in layers.values())
+    assert layers and all(m.quantizes(Operand.WEIGHT) for m in layers.values())
 
     def trained_codes(layer) -> np.ndarray:  # en_dtypes' HiF8 of clamp(bf16(w) * s, +-15)
         scaled = (layer.weight.detach().bfloat16().float() * layer.weight_scaler.scale.float()).clamp(-15, 15)

@@ -12,6 +12,7 @@ from qat_app.hif8.experts import HiF8Experts
 from qat_app.hif8.patch import quantized_linears, set_quantization
 from qat_app.hif8.scaler_bank import advance_all
 from qat_app.hif8.scaling import all_scalers
+from qat_app.hif8.operand import Operand
 from tests._tiny_models import moe_model
 
 QUANT = QuantConfig(high_precision_layers=2, fused="off", history_len=2)
@@ -132,7 +133,7 @@ def test_experts_with_weight_quantization_off_are_stored_dense(tmp_path):
     assert record["params"]["gate_up_proj"]["weight"] == "dense"
     assert layout["tensors"]["model.layers.1.mlp.experts.gate_up_proj"]["role"] == "dense"
     loaded = load_hif8(tmp_path / "exp")
-    assert loaded.get_submodule("model.layers.1.mlp.experts.gate_up.0").quantize_weights is False
+    assert loaded.get_submodule("model.layers.1.mlp.experts.gate_up.0").quantizes(Operand.WEIGHT) is False
     assert torch.equal(logits(loaded, ids()), expected)
 
 

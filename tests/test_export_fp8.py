@@ -358,7 +358,7 @@ def test_the_yardstick_leaves_the_qat_model_as_it_was():
     states = {name: layer.get_extra_state() for name, layer in layers.items()}
     with quantization_off(model):
         off = logits(model, batch())
-        assert not any(layer.quantize_weights or layer.quantize_activations for layer in layers.values())
+        assert not any(layer.quantizes_forward() for layer in layers.values())
     assert torch.equal(logits(model, batch()), before) and not torch.equal(off, before)
     assert {name: layer.get_extra_state() for name, layer in layers.items()} == states
     result = compare_on_text(model, model, [batch(1), batch(2)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qat_app.export import export_compressed_tensors
-from qat_app.export.formats import export_format
+from qat_app.export.formats import FORMATS
 from qat_app.export.int8 import row_shifts
 from qat_app.export.served import compare_served, load_served
 from qat_app.hif8.patch import quantized_linears
@@ -47,7 +47,7 @@ def test_cpu_target_writes_int8_that_compressed_tensors_and_transformers_read_as
     assert group.input_activations.dynamic is True
     assert report["serve_target"]["name"] == "cpu" and "any" in report["serve_target"]["alternatives"]
     assert set(report["layers"]) == {f"model.layers.{b}.mlp.{p}" for b in (1, 2) for p in ("gate_proj", "up_proj", "down_proj")}
-    line = export_format("compressed-tensors", "cpu").summary(tmp_path / "int8", report)  # the CLI's line
+    line = FORMATS["compressed-tensors"].summary(tmp_path / "int8", report)  # the CLI's line
     assert "in int8 (serve target cpu" in line and "FP8" not in line
 
     tensors = load_file(str(tmp_path / "int8" / "model.safetensors"))

@@ -17,13 +17,14 @@ from qat_app.hif8.fake_quant import dequantize_codes
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.scaler_bank import advance_all
 from qat_app.hif8.scaling import all_scalers
+from qat_app.hif8.operand import Operand
 from tests._tiny_models import moe_model, tiny_qat
 
 
 def test_the_sources_weights_are_what_the_forward_quantizes():
     model = tiny_qat(dtype=torch.float32)
     off = model.get_submodule("model.layers.1.mlp.up_proj")
-    off.quantize_weights = False  # stored dense by every format
+    off.switch(Operand.WEIGHT, False)  # stored dense by every format
     source = export_source(model, None, "float32", None)
     linears = {name for name, m in model.named_modules() if isinstance(m, HiF8Linear)}
     assert set(source.weights) == linears - {"model.layers.1.mlp.up_proj"}
@@ -47,7 +48,7 @@ def test_each_format_quantizes_every_weight_once(write, tmp_path, monkeypatch):
      "hf-quantized": lambda: export_hf(model, tmp_path / "out", weights="quantized"),
      "compressed-tensors": lambda: export_compressed_tensors(model, tmp_path / "out", dtype="float32"),
      "int8": lambda: export_compressed_tensors(model, tmp_path / "out", dtype="float32", serve_target="cpu")}[write]()
-    quantized = [m for m in model.modules() if isinstance(m, HiF8Linear) and m.quantize_weights]
+    quantized = [m for m in model.modules() if isinstance(m, HiF8Linear) and m.quantizes(Operand.WEIGHT)]
     assert len(calls) == len(quantized) == 6 and {id(m) for m in calls} == {id(m) for m in quantized}
 
 

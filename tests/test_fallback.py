@@ -33,6 +33,7 @@ from qat_app.hif8.inventory import inventory_lines, quantization_inventory
 from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.patch import set_quantization
 from qat_app.hif8.training import end_warmup, start_warmup, sync_and_advance
+from qat_app.hif8.operand import Operand
 from tests._cli_runs import SimulatedCrash, write_config
 
 
@@ -180,7 +181,7 @@ def test_current_fallback_stops_the_clipping_high_precision_computes_the_unquant
 
     layer.fall_back("weight", "high_precision", step=2, reason=SATURATION, evidence="planted")
     set_quantization(layer, weights=True, activations=True)  # the warmup's switch cannot undo it
-    assert not layer.quantize_weights and layer.quantize_activations
+    assert not layer.quantizes(Operand.WEIGHT) and layer.quantizes(Operand.INPUT)
     with torch.no_grad():
         result, scale = layer.input_scaler.quantize(x, layer.format, want_codes=True)  # current scaling
         grid = layer.format.decode(result.codes)  # the input's grid values; the weight as it is (high precision)
@@ -198,7 +199,7 @@ def test_a_checkpoint_carries_the_fallback_and_an_older_one_loads():
     state = layer.state_dict()
     fresh = delayed_layer()
     fresh.load_state_dict(state)
-    assert fresh.fallback == layer.fallback and fresh.input_scaler.algo == "current" and not fresh.quantize_weights
+    assert fresh.fallback == layer.fallback and fresh.input_scaler.algo == "current" and not fresh.quantizes(Operand.WEIGHT)
     x = 10.0 * torch.randn(4, 16)
     with torch.no_grad():
         assert torch.equal(fresh.eval()(x), layer.eval()(x))
@@ -206,7 +207,7 @@ def test_a_checkpoint_carries_the_fallback_and_an_older_one_loads():
     older["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "fallback"}  # before fallback
     again = delayed_layer()
     again.load_state_dict(older)
-    assert again.fallback == {} and again.input_scaler.algo == "most_recent" and again.quantize_weights
+    assert again.fallback == {} and again.input_scaler.algo == "most_recent" and again.quantizes(Operand.WEIGHT)
 
 
 # ------------------------------------------------------------------------------------------- a model

@@ -28,14 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_each_target_does_what_the_table_says(target):
     layer = HiF8Linear(8, 4, bias=False, **QuantConfig(amax_algo="max", history_len=2, fused="off").layer_options())
     scaler = layer.input_scaler
-    assert not target.already(scaler) and layer.switched_on(Operand.INPUT)
+    assert not target.already(scaler) and layer.quantizes(Operand.INPUT)
     layer.fall_back("input", target.name, step=3, reason="saturation")
-    assert layer.switched_on(Operand.INPUT) == target.quantized == (not unquantized_by(layer.fallback["input"]))
+    assert layer.quantizes(Operand.INPUT) == target.quantized == (not unquantized_by(layer.fallback["input"]))
     assert operands_quantized(layer)["input"] == target.quantized  # what the inventory reports
     if target.quantized:
         assert target.already(scaler)  # nothing left to cure by the same remedy
     layer(torch.randn(3, 8))  # the matmul runs after the fallback
-    assert layer.switched_on(Operand.WEIGHT)  # only the operand that fell back changed
+    assert layer.quantizes(Operand.WEIGHT)  # only the operand that fell back changed
 
 
 def test_a_remedy_that_cannot_raise_the_sqnr_is_refused_for_a_floor():

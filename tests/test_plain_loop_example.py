@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import torch
+from qat_app.hif8.operand import Operand
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(ROOT, "examples", "plain_pytorch_loop.py")
@@ -26,7 +27,7 @@ def test_example_runs_the_recipe_with_the_public_api():
     assert len(layers) == 3 * 4  # gate/up/down of blocks 1-4 of 6
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     for _, layer in layers:
-        assert layer.quantize_weights and layer.quantize_activations  # switched on at the end of the warmup
+        assert layer.quantizes(Operand.WEIGHT) and layer.quantizes(Operand.INPUT)  # switched on at the end of the warmup
         for scaler in (layer.input_scaler, layer.weight_scaler):
             assert int(scaler.steps_recorded) == 6 and not scaler.uses_current_scaling
             assert int(scaler.quantized_steps) == 4  # steps 2..5

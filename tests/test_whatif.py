@@ -24,6 +24,7 @@ from qat_app.hif8.linear import HiF8Linear
 from qat_app.hif8.recipe import AMAX_ALGOS
 from qat_app.hif8.scaler_bank import advance_all, seed_all
 from qat_app.hif8.scaling import AmaxScaler
+from qat_app.hif8.operand import Operand
 
 HISTORY, ALPHA = 3, 0.5
 # recorded amax per step, oldest first: 4 steps into a window of 3, so max forgets the first (all exact in float32)
@@ -172,7 +173,7 @@ def test_nothing_is_counted_before_a_history_or_while_not_quantized():
     layer(x)  # no recorded step: current scaling, no what-if
     assert int(layer.input_scaler.step_numel) > 0 and layer.input_scaler.step_whatif_clipped.tolist() == [0] * 4
     layer.input_scaler.advance()
-    layer.quantize_activations = False  # the warmup: observed, not quantized
+    layer.switch(Operand.INPUT, False)  # the warmup: observed, not quantized
     layer(x)
     assert int(layer.input_scaler.step_numel) == 0 and layer.input_scaler.step_whatif_clipped.tolist() == [0] * 4
 

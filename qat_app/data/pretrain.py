@@ -31,6 +31,7 @@ import warnings
 
 import lightning as L
 import torch
+from torch.utils.data import DataLoader
 
 from qat_app.data.batching import derive_accumulate_grad_batches, limited_batches
 from qat_app.data.benchmarks import BenchmarkDataModule
@@ -156,10 +157,7 @@ class PretrainDataModule(L.LightningDataModule):
         limit_val_batches: int | float | None = None,
     ):
         super().__init__()
-        if isinstance(tokenizer, str):
-            self.save_hyperparameters(ignore=["benchmarks"])
-        else:
-            self.save_hyperparameters(ignore=["tokenizer", "benchmarks"])
+        self.save_hyperparameters(ignore=["benchmarks"] if isinstance(tokenizer, str) else ["tokenizer", "benchmarks"])
         _check_settings(seq_len=seq_len, micro_batch_size=micro_batch_size, doc_batch_size=doc_batch_size,
                         num_workers=num_workers, val_documents=val_documents, shuffle_buffer=shuffle_buffer,
                         max_documents=max_documents, text_sample_by=text_sample_by,
@@ -357,8 +355,6 @@ class PretrainDataModule(L.LightningDataModule):
         return blocks[rank * per_rank : rank * per_rank + kept]
 
     def make_val_dataloader(self, rank: int, world_size: int):
-        from torch.utils.data import DataLoader
-
         return DataLoader(
             ValBlocks(self.val_blocks(rank, world_size)),
             batch_size=self.val_batch_size,

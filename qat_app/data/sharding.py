@@ -53,18 +53,14 @@ def scan_layout(source: Source, val_documents: int, max_documents: int | None, d
                 break  # the remaining shards are used whole
             layout.excluded.add(i)  # beyond the max_documents cut
             continue
-        start, reached = g, False
-        for texts, _ in source.iter_texts(i, doc_batch_size):
-            for t in texts:
-                if g < val_documents:
-                    layout.val_texts.append(t or "")
-                g += 1
-                if g >= target:
-                    reached = True
-                    break
-            if reached:
+        start = g
+        for t in (t for texts, _ in source.iter_texts(i, doc_batch_size) for t in texts):
+            if g < val_documents:
+                layout.val_texts.append(t or "")
+            g += 1
+            if g >= target:
                 break
-        n = g - start
+        n, reached = g - start, g >= target
         if n == 0:
             raise source.empty_shard_error(i)
         held = min(max(val_documents - start, 0), n)

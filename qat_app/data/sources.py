@@ -17,7 +17,6 @@ shard's file.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from qat_app.data.errors import DataError
 from qat_app.data.files import builder_for
@@ -61,16 +60,12 @@ class Source:
         try:
             if self.data_files is not None:
                 builder = builder_for(self.data_files[0])
-                kwargs: dict[str, Any] = {}
-                if builder == "text":
-                    kwargs["sample_by"] = self.text_sample_by
+                kwargs = {"sample_by": self.text_sample_by} if builder == "text" else {}
                 base = datasets.load_dataset(
                     builder, data_files=list(self.data_files), split="train", streaming=True, **kwargs
                 )
             else:
-                kwargs = {}
-                if self.revision is not None:
-                    kwargs["revision"] = self.revision
+                kwargs = {} if self.revision is None else {"revision": self.revision}
                 base = datasets.load_dataset(
                     self.dataset, self.dataset_config, split=self.split, streaming=True, **kwargs
                 )

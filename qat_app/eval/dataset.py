@@ -20,10 +20,9 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     already starts with the BOS string."""
     bos = tokenizer.bos_token
     starts_with_bos = [bool(bos) and text.startswith(bos) for text in texts]
-    plain = [i for i, flag in enumerate(starts_with_bos) if not flag]
-    already_bos = [i for i, flag in enumerate(starts_with_bos) if flag]
     out: list[list[int]] = [[] for _ in texts]
-    for indices, add_special in ((plain, True), (already_bos, False)):
+    for add_special in (True, False):  # the plain texts, then those already starting with BOS
+        indices = [i for i, flag in enumerate(starts_with_bos) if flag != add_special]
         if indices:
             encoded = tokenizer([texts[i] for i in indices], add_special_tokens=add_special)["input_ids"]
             for i, ids in zip(indices, encoded):
@@ -38,18 +37,14 @@ def tokenize_examples(
     pack_choices: bool = True,
 ) -> list[TokenizedExample]:
     """Tokenise like lm-eval's HFLM._encode_pair and lay out rows (see :func:`layout_rows`)."""
-    contexts, wholes, owners = [], [], []
+    contexts, wholes = [], []
     for example in examples:
-        # lm-eval moves the context's trailing whitespace onto the continuation
-        context = example.context
-        n_spaces = len(context) - len(context.rstrip())
-        stripped = context[: len(context) - n_spaces] if n_spaces else context
+        # lm-eval moves the context's trailing whitespace onto the continuation (the whole text is unchanged)
+        stripped = example.context.rstrip()
         if not stripped:
             raise ValueError(f"{example.task} doc {example.doc_index}: empty context")
         contexts.append(stripped)
-        for continuation in example.continuations:
-            wholes.append(stripped + context[len(stripped) :] + continuation)
-        owners.append(len(example.choices))
+        wholes += [example.context + continuation for continuation in example.continuations]
     context_ids = _encode(tokenizer, contexts)
     whole_ids = _encode(tokenizer, wholes)
 
@@ -57,14 +52,14 @@ def tokenize_examples(
     cursor = 0
     for example_id, (example, ctx) in enumerate(zip(examples, context_ids)):
         continuations = []
-        for choice in range(owners[example_id]):
+        for choice in range(len(example.choices)):
             continuation = whole_ids[cursor + choice][len(ctx) :]
             if not continuation:
                 raise ValueError(f"{example.task} doc {example.doc_index}: choice {choice} encodes to no tokens")
             if len(continuation) > max_length:
                 raise ValueError(f"{example.task} doc {example.doc_index}: choice {choice} is longer than max_length={max_length}")
             continuations.append(continuation)
-        cursor += owners[example_id]
+        cursor += len(example.choices)
         subject_index = MMLU_SUBJECTS.index(example.subject) if example.subject else 0
         tokenized.append(
             TokenizedExample(
@@ -95,11 +90,8 @@ class BenchmarkDataset(Dataset):
     ):
         self.task = task
         self.examples = list(examples)  # indexed by example_id
-        if group_by_subject:
-            key = lambda item: (item.subject_index, -item.longest_row, item.example_id)  # noqa: E731
-        else:
-            key = lambda item: (-item.longest_row, item.example_id)  # noqa: E731
-        self.items = sorted(tokenized, key=key)
+        self.items = sorted(tokenized, key=lambda item: (item.subject_index if group_by_subject else 0,
+                                                         -item.longest_row, item.example_id))
 
     def __len__(self) -> int:
         return len(self.items)

@@ -70,10 +70,7 @@ def _sharded(model: nn.Module) -> bool:
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
-    for parameter in model.parameters():
-        if parameter.is_floating_point():
-            return parameter.dtype
-    return torch.float32
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def forward_logits(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
@@ -272,8 +269,7 @@ class BenchmarkValidationModule(lightning.LightningModule):
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         self.benchmarks.update(self.model, batch)
 
-    def test_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.benchmarks.update(self.model, batch)
+    test_step = validation_step
 
     def _log_and_reset(self, prefix: str) -> None:
         values = self.benchmarks.compute()  # synced across ranks by torchmetrics

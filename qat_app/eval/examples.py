@@ -35,9 +35,6 @@ class MultipleChoiceExample:
         return [f"{self.target_delimiter}{choice}" for choice in self.choices]
 
 
-LIMIT_MODES = ("sample", "first")
-
-
 def select_doc_indices(num_docs: int, limit: int | None, seed: int, mode: str = "sample",
                        doc_ids: Sequence[int] | None = None, where: str = "") -> list[int]:
     """Which docs to score: ``doc_ids`` when given (like lm-eval's ``--samples``); else ``limit`` docs, the

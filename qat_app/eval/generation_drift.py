@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -118,18 +118,6 @@ def continuation_logprobs(model: nn.Module, sequences: torch.Tensor, prompt_toke
         return torch.cat(out)
 
 
-@contextmanager
-def _evaluating(pl_module):
-    """``pl_module`` in eval mode under the run's validation precision; its mode restored after."""
-    was_training = pl_module.training
-    pl_module.eval()
-    try:
-        with pl_module.trainer.precision_plugin.val_step_context():
-            yield
-    finally:
-        pl_module.train(was_training)
-
-
 class InitialGenerations:
     """Generation drift in a fit: ``forget/generation_kl``, KL(initial || now) per generated token over the full
     vocabulary, along the initial model's greedy continuations of held-out prompts, with its 95 % interval over
@@ -166,16 +154,16 @@ class InitialGenerations:
             log.warning("%s off for this run: %s", FORGET_GENERATION_KL, why)
 
     def _score(self, pl_module, sequences: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
-        from .kl_cache import STORE_DTYPE
+        from .kl_cache import STORE_DTYPE, evaluating
 
-        with _evaluating(pl_module):
+        with evaluating(pl_module):
             return continuation_logprobs(pl_module.model, sequences, prompt_tokens, self.batch_size, STORE_DTYPE)
 
     @torch.no_grad()
     def record(self, pl_module, blocks: torch.Tensor, limit: int, batch_size: int, pad_token_id: int) -> None:
         """The initial model (the caller switches quantization off) continues this rank's prompts; rank 0 writes
         the file. Every rank calls it (collective)."""
-        from .kl_cache import _gather, save_topk, tensor_sha256
+        from .kl_cache import _gather, evaluating, save_topk, tensor_sha256
 
         trainer = pl_module.trainer
         world, self.batch_size = trainer.world_size, batch_size
@@ -183,7 +171,7 @@ class InitialGenerations:
         n = min(max(1, self.prompts // world), limit, blocks.shape[0])
         n = int(_gather(pl_module, torch.tensor(n, device=pl_module.device)).min())  # equal on every rank
         prompts = blocks[:n, :prompt_tokens].to(pl_module.device)
-        with _evaluating(pl_module):
+        with evaluating(pl_module):
             sequences = greedy_continuations(pl_module.model, prompts, self.new_tokens, pad_token_id)
         self.sequences = sequences
         self.logprobs = self._score(pl_module, sequences, prompt_tokens)

@@ -66,11 +66,8 @@ def verdict(result: stats.PairedResult, higher_is_better: bool = True, floor: fl
 
 
 def _number(value) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
+    # a bool is an int: True / False count as 1 / 0
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def p_value(result: stats.PairedResult) -> float:

@@ -79,10 +79,6 @@ class OfflineTasks:
     directory: Path | None = None  # where the overrides were written
 
 
-def _index(manager) -> dict:
-    return manager.task_index
-
-
 @functools.cache
 def released_manager():
     """lm-eval's ``TaskManager`` over its own tasks, built once per process (it reads every task YAML: seconds)."""
@@ -96,7 +92,7 @@ def check_task_names(names: Sequence[str], where: str, builtin: Sequence[str] = 
     unknown = [name for name in names if name not in builtin]
     if not unknown:
         return
-    index = _index(released_manager())
+    index = released_manager().task_index
     for name in unknown:
         if name not in index:
             what = (f"unknown benchmark task {name!r}; known tasks: {', '.join(builtin)} or any lm-eval task" if builtin
@@ -152,7 +148,7 @@ def offline_task_names(manager) -> list[str]:
     from lm_eval.tasks._index import Kind
 
     names = []
-    for name, entry in _index(manager).items():
+    for name, entry in manager.task_index.items():
         if entry.kind is Kind.TASK:
             try:
                 if offline_dataset(_load_cfg(entry)) is not None:
@@ -214,7 +210,7 @@ def resolve_tasks(names: Sequence[str], directory: str | Path, data: str = "auto
     if data not in ("auto", "hub", "local"):
         raise TaskError(f"--data: 'auto', 'hub' or 'local', got {data!r}")
     released = released_manager()
-    index = _index(released)
+    index = released.task_index
     leaves = list(dict.fromkeys(leaf for name in names for leaf in leaf_tasks(name, index, where)))
     offline = data == "local" or (data == "auto" and not hub_reachable())
     if not offline:

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -104,10 +105,7 @@ def coarse_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Per-position KL(p || q) of two distributions over the same ``k+1`` buckets (log-probs, any float dtype),
     in float32. Each side is renormalised first (float16 storage leaves them off 1 by ~1e-3), so the result
     is >= 0 and exactly 0 for equal inputs; a bucket with p = 0 contributes 0."""
-    a = logp.float()
-    b = logq.float()
-    a = a - a.logsumexp(-1, keepdim=True)
-    b = b - b.logsumexp(-1, keepdim=True)
+    a, b = (x - x.logsumexp(-1, keepdim=True) for x in (logp.float(), logq.float()))
     terms = torch.where(torch.isneginf(a), torch.zeros_like(a), a.exp() * (a - b))
     return terms.sum(-1).clamp_min(0.0)
 
@@ -250,6 +248,18 @@ def _gather(pl_module, t: torch.Tensor) -> torch.Tensor:
     return out.reshape(world, *t.shape)
 
 
+@contextmanager
+def evaluating(pl_module):
+    """``pl_module`` in eval mode under the run's validation precision; its mode restored after."""
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        with pl_module.trainer.precision_plugin.val_step_context():
+            yield
+    finally:
+        pl_module.train(was_training)
+
+
 def held_out_blocks(trainer) -> tuple[torch.Tensor, int, int] | None:
     """-> (this rank's held-out LM blocks ``[n, seq_len]``, the validation batch size, how many of them a
     validation scores), or None when the data has no LM validation. The data's ``limit_val_batches`` (where
@@ -323,17 +333,12 @@ class InitialKL:
             return self._off("no held-out validation blocks to take the initial cache on")
         tokens = blocks[:n, :positions].to(pl_module.device)
         indices, logprobs = [], []
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with trainer.precision_plugin.val_step_context():
-                for i in range(0, n, batch_size):  # the validation's own batches (same shapes, same numerics)
-                    logits = pl_module.model(input_ids=blocks[i:i + batch_size].to(pl_module.device)).logits
-                    idx, lp = topk_logprobs(logits[:n - i, :positions], self.topk)
-                    indices.append(idx)
-                    logprobs.append(lp.to(STORE_DTYPE))
-        finally:
-            pl_module.train(was_training)
+        with evaluating(pl_module):
+            for i in range(0, n, batch_size):  # the validation's own batches (same shapes, same numerics)
+                logits = pl_module.model(input_ids=blocks[i:i + batch_size].to(pl_module.device)).logits
+                idx, lp = topk_logprobs(logits[:n - i, :positions], self.topk)
+                indices.append(idx)
+                logprobs.append(lp.to(STORE_DTYPE))
         self.tokens, self.indices = tokens.to(torch.int32), torch.cat(indices)
         self.logprobs = torch.cat(logprobs)
         world = trainer.world_size

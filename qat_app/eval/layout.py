@@ -153,10 +153,9 @@ class BenchmarkCollator:
         row_index = 0
         for example_index, item in enumerate(items):
             first_choice = len(choice_example)
-            for slot, length in enumerate(item.choice_char_lengths):
-                choice_example.append(example_index)
-                choice_slot.append(slot)
-                choice_char_length.append(float(length))
+            choice_example += [example_index] * item.num_choices
+            choice_slot += range(item.num_choices)
+            choice_char_length += map(float, item.choice_char_lengths)
             for row in item.rows:
                 length = len(row.tokens) - prefix_length
                 start = width - length if self.packed else 0

@@ -121,11 +121,7 @@ def _flip(metric: str) -> Callable[[Row, Row], float | None]:
     return flip
 
 
-def _measures(*items: Measure) -> dict[str, Measure]:
-    return {m.name: m for m in items}
-
-
-MEASURES: dict[str, Measure] = _measures(
+MEASURES: dict[str, Measure] = {m.name: m for m in (
     Measure("acc", "accuracy", True, _acc, "1 if the argmax of the summed choice log-likelihoods is the gold choice"),
     Measure("acc_norm", "accuracy", True, _acc_norm, "1 if the argmax of loglik / choice length in characters is gold"),
     Measure("p_gold", "accuracy", True, _p_gold, "probability of the gold choice: softmax over the raw choice logliks"),
@@ -142,7 +138,7 @@ MEASURES: dict[str, Measure] = _measures(
             "answer flips of acc, both ways (right -> wrong and wrong -> right: McNemar's discordant pairs)"),
     Measure("flips_acc_norm", "drift", False, _flip("acc_norm"),
             "answer flips of acc_norm, both ways (right -> wrong and wrong -> right)"),
-)
+)}
 MEASURE_NAMES: tuple[str, ...] = tuple(MEASURES)
 _FLIPS_OF = {"flips_acc": "acc", "flips_acc_norm": "acc_norm"}
 
@@ -246,10 +242,7 @@ def compare_records(before_rows: Iterable[Row], after_rows: Iterable[Row], measu
         raise MeasureError(f"level: must lie in (0, 1), got {level!r}")
     before, after = _index(before_rows, "before"), _index(after_rows, "after")
     out = MeasureComparison()
-    if tasks is None:
-        names = sorted(set(before) | set(after))
-    else:
-        names = list(dict.fromkeys(tasks))
+    names = sorted(set(before) | set(after)) if tasks is None else list(dict.fromkeys(tasks))
     disjoint = []
     for task in names:
         b, a = before.get(task, {}), after.get(task, {})

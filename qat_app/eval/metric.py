@@ -43,16 +43,10 @@ class MultipleChoiceMetric(Metric):
     def __init__(self, num_subjects: int = 0, **kwargs: Any):
         super().__init__(**kwargs)
         self.num_subjects = num_subjects
-        # float/long states: gloo cannot all-gather bool tensors
-        self.add_state("example_ids", default=[], dist_reduce_fx="cat")
-        self.add_state("correct", default=[], dist_reduce_fx="cat")
-        self.add_state("correct_norm", default=[], dist_reduce_fx="cat")
-        self.add_state("subject_ids", default=[], dist_reduce_fx="cat")
-        # per-example records (lm-eval's --log_samples): gold, both predictions, every choice's loglik
-        self.add_state("gold", default=[], dist_reduce_fx="cat")
-        self.add_state("pred", default=[], dist_reduce_fx="cat")
-        self.add_state("pred_norm", default=[], dist_reduce_fx="cat")
-        self.add_state("loglik", default=[], dist_reduce_fx="cat")
+        # float/long states: gloo cannot all-gather bool tensors; after the four of the accuracy, the per-example
+        # records (lm-eval's --log_samples): gold, both predictions, every choice's loglik
+        for name in ("example_ids", "correct", "correct_norm", "subject_ids", "gold", "pred", "pred_norm", "loglik"):
+            self.add_state(name, default=[], dist_reduce_fx="cat")
 
     def update(
         self,

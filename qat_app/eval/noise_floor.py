@@ -92,7 +92,7 @@ def _zero(relative: float, seeds: tuple[int, ...], note: str) -> NoiseFloor:
 def _quantizes(model: nn.Module) -> bool:
     from ..hif8.patch import quantized_linears
 
-    return any(layer.quantize_weights or layer.quantize_activations for _, layer in quantized_linears(model))
+    return any(layer.quantizes_forward() for _, layer in quantized_linears(model))
 
 
 @contextmanager

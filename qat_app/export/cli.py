@@ -19,7 +19,7 @@ from ..cli_errors import ProgramParser, unknown_flags_line
 from ..errors import QATError
 from ..hif8.inventory import INVENTORY_FILE, inventory_summary
 from .compressed import FORMAT_NAME
-from .formats import FORMATS, export_format
+from .formats import FORMATS
 from .serve_targets import DEFAULT_SERVE_TARGET, SERVE_TARGETS
 from .layout import ExportError
 from .qat_checkpoint import load_qat_checkpoint, run_compute_dtype, run_dtype
@@ -112,7 +112,7 @@ def run_export(args: argparse.Namespace, lightning_args: list[str]) -> None:
             resolve_dtype(value, field=flag)
     if Path(args.out).exists() and Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
         raise FileExistsError(f"{args.out} already exists and is not empty; pass --overwrite to replace it")
-    fmt = export_format(args.format, args.serve_target)
+    fmt = FORMATS[args.format]
     options = fmt.options(args)
     module = load_qat_checkpoint(args.ckpt_path, weights_only=args.weights_only, trust_remote_code=args.trust_remote_code)
     storage, why = run_dtype(module)

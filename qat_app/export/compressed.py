@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import replace
 import logging
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from ..hif8.experts import HiF8Experts
 from ..hif8.fake_quant import dequantize_codes
 from ..hif8.fp8_gemm import E4M3_MAX, e4m3_decode_scale, grid_to_e4m3, shift_for
 from ..hif8.linear import HiF8Linear
+from ..hif8.operand import Operand
 from ..hif8.patch import dequantize_model, quantized_linears
 from .hf import set_quantized_weights
 from .layout import ExportError, checkpoint_bytes, dtype_name
@@ -83,9 +83,9 @@ def _scheme_of(name: str, layer: HiF8Linear, target: ServeTarget) -> tuple[str |
     """(scheme, why) of one quantized linear; scheme None: kept in high precision (ignored), for ``why``."""
     if layer.source_type != "linear":
         return None, f"a {layer.source_type} layer: the compressed-tensors format quantizes nn.Linear"
-    if not layer.quantize_weights:
+    if not layer.quantizes(Operand.WEIGHT):
         return None, why_dense(layer)
-    if not layer.quantize_activations:
+    if not layer.quantizes(Operand.INPUT):
         decision = layer.fallback.get("input")
         why = (f"its input fell back to high precision at step {decision.step}" if decision
                else "input quantization is off")
@@ -285,7 +285,7 @@ def _servable_plan(model: nn.Module, serve_target: str) -> ServablePlan:
     if not schemes and experts:
         raise ExportError(f"the only quantized modules are MoE experts ({experts[0]} ...), which this format cannot hold in "
                           f"FP8 ({EXPERTS_WHY}); use --format hif8 for their 8-bit weights")
-    if not schemes and not any(layer.quantize_weights for _, layer in quantized_linears(model)):
+    if not schemes and not any(layer.quantizes(Operand.WEIGHT) for _, layer in quantized_linears(model)):
         raise ExportError("no layer's weight is quantized in this checkpoint (saved inside the BF16 warmup?), so "
                           f"there is nothing to write in FP8: {next(iter(ignored.values()), '')}")
     if not schemes:
@@ -294,16 +294,17 @@ def _servable_plan(model: nn.Module, serve_target: str) -> ServablePlan:
     return ServablePlan(schemes, ignored, experts)
 
 
-def _fp8_layers(schemes: dict[str, str], modules: dict[str, nn.Module], weights: dict[str, WeightCodes]) -> FP8Layers:
-    """The FP8 tensors of every planned layer (weight, scale, a static scheme's input scale) from the source's
-    ``weights``, the report's per-layer records, and what :func:`_check_written` compares the written weights with."""
+def _fp8_layers(schemes: dict[str, str], modules: dict[str, nn.Module], weights: dict[str, WeightCodes],
+                encoding: WeightEncoding) -> FP8Layers:
+    """The 8-bit tensors of every planned layer (weight, scale, a static scheme's input scale) from the source's
+    ``weights`` in ``encoding``, the report's per-layer records, and what :func:`_check_written` compares the
+    written weights with."""
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
     checks: dict[str, dict] = {}
     for name, scheme in schemes.items():
         layer = modules[name]
-        writer = int8_weight if scheme == INT8 else _fp8_weight
-        written, check = writer(name, layer, weights[name])
+        written, check = encoding.write(name, layer, weights[name])
         check["args"] = weight_args(scheme)
         tensors.update(written)
         checks[name] = check
@@ -348,7 +349,7 @@ def _report(*, info: dict, qat_format: str, serve_target: str, storage_dtype: to
         "ignored": dict(sorted(ignored.items())),
         "fused_input_scales_equalized": equalized,
         "bytes": sizes,
-        **(int8_totals(records, INT8) if SERVE_TARGETS[serve_target].int8 else _fp8_totals(schemes, records)),
+        **encoding_of(serve_target).totals(schemes, records),
     }
 
 
@@ -364,6 +365,38 @@ def _fp8_totals(schemes: dict[str, str], records: dict) -> dict:
             "schemes": {kind: sum(1 for s in schemes.values() if s == kind) for kind in (STATIC, DYNAMIC, WEIGHT_ONLY)},
         },
     }
+
+
+def fp8_summary(out_dir: str | os.PathLike, report: dict) -> str:
+    """One line of what an FP8 export holds (the CLI prints it)."""
+    totals, size = report["totals"], report["bytes"]
+    kinds = ", ".join(f"{count} {kind}" for kind, count in totals["schemes"].items() if count)
+    kept = (f", {len(report['ignored'])} quantized modules kept in {report['storage_dtype']} ({REPORT_FILE} says why)"
+            if report["ignored"] else "")
+    return (f"wrote {out_dir}: {totals['fp8_layers']} linears in FP8 E4M3 ({kinds}){kept}; {size['weights'] / 2**20:.1f} MiB vs {size['bf16_weights'] / 2**20:.1f} "
+            f"MiB in BF16 ({size['weights'] / size['bf16_weights']:.3f}x); {totals['below_floor']} of {totals['fp8_elements']} "
+            f"weights below the E4M3 floor (largest error {totals['max_error_below_floor']:.3g}); serve target "
+            f"{report.get('serve_target', {}).get('name', 'cuda')}: inputs at "
+            f"{report.get('serve_target', {}).get('activations', 'static per-tensor scales')}")
+
+
+class WeightEncoding(NamedTuple):
+    """How the planned layers' weights are written: E4M3, or int8 for a CPU server (:mod:`.int8`); the container
+    (compressed-tensors, the plain copy around it, the check of what was written, the report) is shared."""
+
+    label: str  # the log's word
+    write: Callable[[str, HiF8Linear, WeightCodes], tuple[dict[str, torch.Tensor], dict]]  # one layer's tensors
+    totals: Callable[[dict, dict], dict]  # (schemes, records) -> the report's floor and totals
+    summary: Callable[[Any, dict], str]  # (the directory, the report) -> the command line's one line
+
+
+FP8_WEIGHTS = WeightEncoding("FP8", _fp8_weight, _fp8_totals, fp8_summary)
+INT8_WEIGHTS = WeightEncoding("INT8", int8_weight, int8_totals, int8_summary)
+
+
+def encoding_of(serve_target: str) -> WeightEncoding:
+    """How ``serve_target`` wants the weights (the one place the choice is made)."""
+    return INT8_WEIGHTS if check_serve_target(serve_target).int8 else FP8_WEIGHTS
 
 
 def export_compressed_tensors(
@@ -388,8 +421,8 @@ def export_compressed_tensors(
             serves on CUDA and, slowly, on the CPU), ``cuda`` (FP8, the trained static input scales; vLLM's CUDA
             kernels) or ``cpu`` (int8 weights and per-token inputs, :mod:`.int8`: what vLLM serves fast on a CPU).
     """
-    return write_export(served_as(serve_target), module_or_model, out_dir, dtype=dtype, compute_dtype=compute_dtype, tokenizer=tokenizer,
-                        overwrite=overwrite, serve_target=serve_target)
+    return write_export(FP8_EXPORT, module_or_model, out_dir, dtype=dtype, compute_dtype=compute_dtype,
+                        tokenizer=tokenizer, overwrite=overwrite, serve_target=serve_target)
 
 
 def _prepare(source: ExportSource, serve_target: str = DEFAULT_SERVE_TARGET):
@@ -399,7 +432,8 @@ def _prepare(source: ExportSource, serve_target: str = DEFAULT_SERVE_TARGET):
     plan = _servable_plan(model, serve_target)
     schemes, ignored, experts = plan.schemes, plan.ignored, plan.experts
     modules = dict(model.named_modules())
-    layers = _fp8_layers(schemes, modules, source.weights)
+    encoding = encoding_of(serve_target)
+    layers = _fp8_layers(schemes, modules, source.weights, encoding)
     tensors, records, checks = layers.tensors, layers.records, layers.checks
     equalized = _equalize_fused_inputs(schemes, tensors, records)
 
@@ -424,26 +458,13 @@ def _prepare(source: ExportSource, serve_target: str = DEFAULT_SERVE_TARGET):
                          sizes={"weights": checkpoint_bytes(directory), "bf16_weights": _bf16_bytes(plain)})
         (directory / REPORT_FILE).write_text(json.dumps(report, indent=1))
         target = SERVE_TARGETS[serve_target]
-        log.info("%s export: %d linears, %d kept in %s", "INT8" if target.int8 else "FP8", len(schemes), len(ignore),
+        log.info("%s export: %d linears, %d kept in %s", encoding.label, len(schemes), len(ignore),
                  dtype_name(storage_dtype))
         if target.on_cpu is not None:
             log.warning("on a CPU: %s", target.on_cpu)
         return report
 
     return save
-
-
-def summary_line(out_dir: str | os.PathLike, report: dict) -> str:
-    """One line of what an FP8 export holds (the CLI prints it)."""
-    totals, size = report["totals"], report["bytes"]
-    kinds = ", ".join(f"{count} {kind}" for kind, count in totals["schemes"].items() if count)
-    kept = (f", {len(report['ignored'])} quantized modules kept in {report['storage_dtype']} ({REPORT_FILE} says why)"
-            if report["ignored"] else "")
-    return (f"wrote {out_dir}: {totals['fp8_layers']} linears in FP8 E4M3 ({kinds}){kept}; {size['weights'] / 2**20:.1f} MiB vs {size['bf16_weights'] / 2**20:.1f} "
-            f"MiB in BF16 ({size['weights'] / size['bf16_weights']:.3f}x); {totals['below_floor']} of {totals['fp8_elements']} "
-            f"weights below the E4M3 floor (largest error {totals['max_error_below_floor']:.3g}); serve target "
-            f"{report.get('serve_target', {}).get('name', 'cuda')}: inputs at "
-            f"{report.get('serve_target', {}).get('activations', 'static per-tensor scales')}")
 
 
 def read_report(out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -464,11 +485,10 @@ def _serve_target_option(args) -> dict:
     return {"serve_target": args.serve_target}
 
 
+def summary_line(out_dir: str | os.PathLike, report: dict) -> str:
+    """One line of what the export holds, in its encoding's words (the CLI prints it)."""
+    return encoding_of(report.get("serve_target", {}).get("name", "cuda")).summary(out_dir, report)
+
+
 FP8_EXPORT = ExportFormat(FORMAT_NAME, REPORT_FILE, _prepare, summary_line, options=_serve_target_option,
                           dtype_field="--dtype", compute_dtype_field="--compute_dtype")
-INT8_EXPORT = replace(FP8_EXPORT, summary=int8_summary)  # --serve_target cpu: int8 weights (:mod:`.int8`)
-
-
-def served_as(serve_target: str) -> ExportFormat:
-    """The compressed-tensors export ``serve_target`` asks for: FP8, or int8 for a CPU server."""
-    return INT8_EXPORT if check_serve_target(serve_target).int8 else FP8_EXPORT

@@ -13,6 +13,8 @@ x86-64 CPU. See ``docs/serving-cpu.md``.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..hif8.fake_quant import dequantize_codes
@@ -60,7 +62,7 @@ def int8_weight(name: str, layer: HiF8Linear, weight: WeightCodes) -> tuple[dict
 
 
 
-def int8_totals(records: dict, scheme: str) -> dict:
+def int8_totals(schemes: dict[str, str], records: dict) -> dict:
     """The report's totals for an int8 export (its ``floor`` entry says what is rounded)."""
     return {
         "floor": "each row's grid values are written on a step of 2^-k grid units (the largest k that keeps the row "
@@ -72,7 +74,7 @@ def int8_totals(records: dict, scheme: str) -> dict:
             "rounded": sum(r["rounded"] for r in records.values()),
             "max_error_relative_to_range": max((r["max_error_relative_to_range"] for r in records.values()),
                                                default=0.0),
-            "schemes": {scheme: len(records)},
+            "schemes": dict(Counter(schemes.values())),
         },
     }
 

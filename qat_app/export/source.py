@@ -14,6 +14,7 @@ from torch import nn
 
 from ..hif8.experts import HiF8Experts
 from ..hif8.linear import HiF8Linear
+from ..hif8.operand import Operand
 from ..hif8.fake_quant import dequantize_codes
 from ..models import resolve_dtype
 from .common import same
@@ -84,7 +85,7 @@ def stored_codes(key: str, weight: QuantizedWeight, fmt: str, dtype: torch.dtype
 def experts_param_quantized(experts: HiF8Experts, proj_name: str) -> bool:
     """Whether the QAT forward quantizes the fused parameter whose slices ``proj_name``'s projections own: every
     expert's weight switch on (else the parameter is stored dense)."""
-    return all(proj.quantize_weights for proj in getattr(experts, proj_name))
+    return all(proj.quantizes(Operand.WEIGHT) for proj in getattr(experts, proj_name))
 
 
 @torch.no_grad()
@@ -93,11 +94,11 @@ def changed_codes(model: nn.Module, trained: torch.dtype, other: torch.dtype) ->
     quantized matmuls of ``model`` whose weights are quantized."""
     owners = []  # (weight, the module whose weight scaler quantizes it)
     for module in model.modules():
-        if isinstance(module, HiF8Linear) and module.quantize_weights:
+        if isinstance(module, HiF8Linear) and module.quantizes(Operand.WEIGHT):
             owners.append((module.weight, module))
         elif isinstance(module, HiF8Experts):
             owners += [(weight, proj) for param, _ in EXPERT_PARAMS for proj, weight in module.projections(param)
-                       if proj.quantize_weights]
+                       if proj.quantizes(Operand.WEIGHT)]
     changed = total = 0
     for weight, owner in owners:
         codes = _quantize_tensor(weight, owner, trained).codes
@@ -125,7 +126,7 @@ class ExportSource:
         parameter by ``<module>.<parameter>``. A weight not here is stored dense (its switch off, or fallen back)."""
         out: dict[str, WeightCodes] = {}
         for name, module in self.model.named_modules():
-            if isinstance(module, HiF8Linear) and module.quantize_weights:
+            if isinstance(module, HiF8Linear) and module.quantizes(Operand.WEIGHT):
                 dtype = self.compute_dtype or module.weight.dtype
                 out[name] = stored_codes(name, quantize_weight(module, dtype), module.recipe.format, dtype)
             elif isinstance(module, HiF8Experts):

@@ -127,7 +127,7 @@ def _add_experts(out: _Tensors, name: str, experts: HiF8Experts, layer_dtype: to
             }
         entry: dict[str, Any] = {"shape": list(weight.shape)}
         if f"{name}.{param}" not in weights:
-            off = next(proj for proj in projections if not proj.quantize_weights)
+            off = next(proj for proj in projections if not proj.quantizes(Operand.WEIGHT))
             log.warning("%s.%s: for some experts, %s: stored in %s", name, param, why_dense(off), storage_dtype)
             out.add_stored(f"{name}.{param}", weight, storage_dtype)
             entry["weight"] = "dense"

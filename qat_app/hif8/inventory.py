@@ -61,7 +61,7 @@ def _kind(name: str, block_regex: re.Pattern, expert: bool) -> str:
 def operands_quantized(layer, switched_on: Mapping[str, bool] | None = None) -> dict[str, bool]:
     """Which operands of a quantized matmul are fake-quantized: its switches now, or ``switched_on`` (what a BF16
     warmup turns on at its end) where given; the output gradient only when the layer has a gradient scaler."""
-    now = {operand.value: getattr(layer, operand.switch_name) for operand in Operand}
+    now = {operand.value: layer.switches[operand] for operand in Operand}
     now.update(switched_on or {})
     now[Operand.GRAD.value] = bool(now[Operand.GRAD]) and layer.grad_scaler is not None
     return {operand.value: bool(now[operand]) and not unquantized_by(layer.fallback.get(operand))

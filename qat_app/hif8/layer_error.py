@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .health import full_kl, sqnr_from_powers
+from .operand import Operand
 from .patch import block_index, quantized_block_range, quantized_linears, set_quantization
 from .recipe import DEFAULT_BLOCK_PATTERN
 from .training import start_warmup, sync_and_advance
@@ -94,14 +95,16 @@ def layer_comparison(model: nn.Module, errors: dict[str, LayerError], *, quantiz
 
 def _compared(layer, matmul: Callable, error: LayerError, quantize_input: bool, quantize_weight: bool) -> Callable:
     def compared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        switches = layer.quantize_activations, layer.quantize_weights
+        switches = dict(layer.switches)
         try:
-            layer.quantize_activations = layer.quantize_weights = False
+            layer.switch(Operand.INPUT, False)
+            layer.switch(Operand.WEIGHT, False)
             reference = matmul(x, weight, bias)
-            layer.quantize_activations, layer.quantize_weights = quantize_input, quantize_weight
+            layer.switch(Operand.INPUT, quantize_input)
+            layer.switch(Operand.WEIGHT, quantize_weight)
             error.add(reference, matmul(x, weight, bias))
         finally:
-            layer.quantize_activations, layer.quantize_weights = switches
+            layer.switches = switches
         return reference
 
     return compared

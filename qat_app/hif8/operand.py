@@ -2,8 +2,8 @@
 
 A W8A8 matmul quantizes up to three tensors, each with its own per-tensor scaler: its ``input`` (the activations),
 its ``weight`` and, with ``quantize_grads``, the output gradient (``grad``). The role is declared here once: the
-scaler's attribute (``input_scaler``: the checkpoint's key), the switch that turns it on (``quantize_activations``),
-the name the logs give its tensor (``layers.7.mlp.up_proj.input``) and how that name is read back. Everything else
+scaler's attribute (``input_scaler``: the checkpoint's key), its switch's key in the checkpoint's extra state
+(``quantize_activations``; the matmul itself keys its switches by the role), the name the logs give its tensor (``layers.7.mlp.up_proj.input``) and how that name is read back. Everything else
 (health, the dashboard, the inventory, the fallback, the export) takes the role, never a parsed name.
 """
 
@@ -31,7 +31,7 @@ class Operand(StrEnum):
 
     @property
     def switch_name(self) -> str:
-        """The matmul's attribute that turns this operand's quantization on (set by the warmup and the extra state)."""
+        """The key of this operand's switch in a matmul's extra state (the checkpoint's; earlier checkpoints hold it)."""
         return _SWITCHES[self]
 
     def tensor_name(self, layer: str) -> str:
@@ -68,7 +68,3 @@ class OperandPlan:
     scaler: "AmaxScaler | None"
     on: bool
     max_val: float | None
-
-    @property
-    def observed(self) -> bool:
-        return self.scaler is not None

@@ -22,6 +22,7 @@ from torch import nn
 from .errors import SelectionError
 from .experts import HiF8Experts, QuantizedProjection, is_fused_experts
 from .linear import HiF8Linear
+from .operand import Operand
 from .recipe import HiF8Recipe, LayerSelection, RuntimeOptions
 
 
@@ -185,12 +186,9 @@ def set_quantization(
     Observers keep recording either way; ``grads`` only applies to layers built with a gradient scaler.
     """
     for _, module in quantized_linears(model):
-        if grads is not None:
-            module.quantize_grads = grads and module.grad_scaler is not None
-        if weights is not None:
-            module.quantize_weights = weights
-        if activations is not None:
-            module.quantize_activations = activations
+        for operand, on in ((Operand.GRAD, grads), (Operand.WEIGHT, weights), (Operand.INPUT, activations)):
+            if on is not None:
+                module.switch(operand, on)
 
 
 @contextmanager
@@ -199,10 +197,10 @@ def quantization_off(model: nn.Module):
     in high precision: the model as if never quantized); each layer's switches are restored on exit. Fallback
     decisions are untouched (they only choose a scaler)."""
     layers = [layer for _, layer in quantized_linears(model)]
-    switches = [(layer.quantize_weights, layer.quantize_activations, layer.quantize_grads) for layer in layers]
+    switches = [dict(layer.switches) for layer in layers]  # as set: a fallback's record is not a switch
     set_quantization(model, weights=False, activations=False, grads=False)
     try:
         yield model
     finally:
-        for layer, (weights, activations, grads) in zip(layers, switches):
-            layer.quantize_weights, layer.quantize_activations, layer.quantize_grads = weights, activations, grads
+        for layer, switched in zip(layers, switches):
+            layer.switches = switched

@@ -6,8 +6,12 @@ saturated). :class:`QuantizedMatmul`, the base of :class:`~qat_app.hif8.linear.H
 :class:`~qat_app.hif8.experts.QuantizedProjection`, owns a scaler and a switch per :class:`~.operand.Operand`
 (the switches in the extra state: a checkpoint restores the warmup phase), the weight operand (quantized once per
 optimizer step: :class:`WeightQuantization`) and the :class:`Plan` handed to :class:`QuantizedMatmulFunction`
-with the input and the weight. Contract: amax is observed only in training mode, quantized or not, so evaluation
-never moves a history; saved 8-bit inputs decode exactly. A source of stored weights (the 8-bit export's reader) is
+with the quantized input and weight. An operand has one name, its :class:`~.operand.Operand`: ``scaler_of``,
+``switches`` (as set), ``quantizes`` (as run: a fallback to high precision reads as off). The module quantizes
+and observes the input and the weight before autograd; the function multiplies, and in backward quantizes the
+output gradient, which its scaler observes there (the one operand that exists only in backward). Contract: amax is
+observed only in training mode, quantized or not, so evaluation never moves a history; saved 8-bit inputs decode
+exactly. A source of stored weights (the 8-bit export's reader) is
 plugged in as :attr:`QuantizedMatmul.weight_source`; the core knows only its one method.
 
 See ``docs/gemm.md`` for the product and its backward.
@@ -33,6 +37,16 @@ from .recipe import HiF8Recipe, RuntimeOptions
 from .scaling import AmaxScaler
 
 
+class Observation(NamedTuple):
+    """What a scaler records of one quantization (:meth:`~.scaling.AmaxScaler.observe`'s arguments)."""
+
+    amax: torch.Tensor
+    clipped: torch.Tensor | None  # None: not quantized (its amax enters the history, its elements are not counted)
+    numel: int
+    whatif: torch.Tensor | None = None  # the other estimators' clipping
+    health: torch.Tensor | None = None  # its health vector (a logging step)
+
+
 class QuantizedInput(NamedTuple):
     """The input as a quantized matmul's forward takes it (:meth:`Plan.quantize_input`)."""
 
@@ -40,6 +54,7 @@ class QuantizedInput(NamedTuple):
     saved: torch.Tensor  # what backward keeps: 8-bit codes, or a tensor
     scale: torch.Tensor | None  # the codes' scale; None: ``saved`` is used as it is
     mask: torch.Tensor | None  # ste="clipped": where the gradient passes
+    observation: Observation | None  # None: not observed (evaluation)
 
 
 class WeightQuantization(NamedTuple):
@@ -51,10 +66,7 @@ class WeightQuantization(NamedTuple):
     mask: torch.Tensor | None = None  # ste="clipped": where the gradient passes
     values: torch.Tensor | None = None  # on the call that quantized it: what the quantization wrote (no decode)
     fp8: tuple | None = None  # gemm fp8: (tail, E4M3 parts) of the grid values, made once per optimizer step
-    amax: torch.Tensor | None = None  # observed: the weight's amax (None: a stored weight, nothing to observe)
-    clipped: torch.Tensor | None = None  # observed: its clipped elements (None: not quantized)
-    whatif: torch.Tensor | None = None  # observed: the other estimators' clipping
-    health: torch.Tensor | None = None  # observed: its health vector (a logging step)
+    observation: Observation | None = None  # None: a stored weight, nothing to observe
 
 
 class WeightCacheKey(NamedTuple):
@@ -95,25 +107,6 @@ def passes_gradient(ste_clipped: bool, x, scale, scaler: AmaxScaler, fmt) -> tor
     return ~saturated_mask(x, scale, scaler.max_val, fmt) if ste_clipped else None
 
 
-class _Switch:
-    """An operand's quantization switch (set by the BF16 warmup, ``set_quantization``, the extra state); an operand
-    that fell back to high precision reads as off whatever it is set to."""
-
-    def __init__(self, operand: Operand) -> None:
-        self.operand = operand
-
-    @staticmethod
-    def attribute(operand: Operand) -> str:
-        """Where a module keeps the switch as set (before any fallback)."""
-        return f"_{operand.value}_on"
-
-    def __get__(self, module, owner=None):
-        return self if module is None else module.switched_on(self.operand)
-
-    def __set__(self, module, on: bool) -> None:
-        module.__dict__[self.attribute(self.operand)] = bool(on)
-
-
 class QuantizedMatmul(nn.Module):
     """The quantization state and behaviour of one W8A8 matmul (docs/gemm.md).
 
@@ -137,27 +130,35 @@ class QuantizedMatmul(nn.Module):
                 power_2=recipe.power_2_scales, operand=operand.value))
         # operand -> its fallback decision; set by fall_back, in the extra state
         self.fallback: dict[str, FallbackDecision] = {}
-        self.quantize_activations = runtime.quantize_activations
-        self.quantize_weights = runtime.quantize_weights
-        self.quantize_grads = recipe.quantize_grads
+        # operand -> its switch as set (the BF16 warmup, set_quantization, the extra state): switch, quantizes
+        self.switches: dict[Operand, bool] = {}
+        for operand, on in ((Operand.INPUT, runtime.quantize_activations), (Operand.WEIGHT, runtime.quantize_weights),
+                            (Operand.GRAD, recipe.quantize_grads)):
+            self.switch(operand, on)
         self._weight_cache: tuple[WeightCacheKey, WeightQuantization] | None = None
         self._gemm: tuple[torch.device, str] | None = None  # (device, the GEMM resolved for it): gemm_for
 
-    quantize_activations = _Switch(Operand.INPUT)
-    quantize_weights = _Switch(Operand.WEIGHT)
-    quantize_grads = _Switch(Operand.GRAD)
+    def switch(self, operand: Operand | str, on: bool) -> None:
+        """Set ``operand``'s quantization switch (an operand without a scaler stays off)."""
+        operand = Operand(operand)
+        self.switches[operand] = bool(on) and self.scaler_of(operand) is not None
 
-    def switched_on(self, operand: Operand) -> bool:
+    def quantizes(self, operand: Operand | str) -> bool:
         """``operand`` is quantized: its switch is on and it did not fall back to high precision."""
-        return self.__dict__.get(_Switch.attribute(operand), False) and not unquantized_by(self.fallback.get(operand))
+        operand = Operand(operand)
+        return self.switches[operand] and not unquantized_by(self.fallback.get(operand))
+
+    def quantizes_forward(self) -> bool:
+        """The forward is quantized (its input or its weight): QAT, not the BF16 warmup."""
+        return self.quantizes(Operand.INPUT) or self.quantizes(Operand.WEIGHT)
 
     def scaler_of(self, operand: Operand | str) -> AmaxScaler | None:
         return getattr(self, Operand(operand).scaler_name, None)
 
     def operand_plan(self, operand: Operand) -> OperandPlan:
         """What this forward does with ``operand``: its scaler, switch and ``max_val``."""
-        scaler = getattr(self, operand.scaler_name, None)
-        return OperandPlan(scaler, self.switched_on(operand), None if scaler is None else scaler.max_val)
+        scaler = self.scaler_of(operand)
+        return OperandPlan(scaler, self.quantizes(operand), None if scaler is None else scaler.max_val)
 
     def fall_back(self, operand: Operand | str, target: str, **record) -> None:
         """Switch ``operand`` for the rest of the run to ``target`` (:mod:`.fallback_targets`): ``current`` scaling
@@ -187,79 +188,80 @@ class QuantizedMatmul(nn.Module):
     # The fallback decisions too (a checkpoint before them has none).
     def get_extra_state(self) -> dict:
         return {  # the switches as set: a fallback to high precision is restored from its own record
-            **{operand.switch_name: self.__dict__[_Switch.attribute(operand)]  # the order earlier exports hold
+            **{operand.switch_name: self.switches[operand]  # the checkpoint's keys, in the order earlier exports hold
                for operand in (Operand.WEIGHT, Operand.INPUT, Operand.GRAD)},
             "fallback": {operand: decision.as_dict() for operand, decision in self.fallback.items()},
         }
 
     def set_extra_state(self, state: dict) -> None:
-        self.quantize_weights = bool(state["quantize_weights"])
-        self.quantize_activations = bool(state["quantize_activations"])
-        self.quantize_grads = bool(state.get("quantize_grads", False)) and self.grad_scaler is not None
+        for operand in Operand:  # checkpoints from before gradient quantization have no grad switch
+            self.switch(operand, state.get(operand.switch_name, False))
         self.fallback = {}
         for operand, record in state.get("fallback", {}).items():
             self.take_decision(operand, FallbackDecision.from_dict(record))
 
     def quantization_repr(self) -> str:
         return (f"format={self.recipe.format}, amax_algo={self.recipe.amax_algo}, "
-                f"w={self.quantize_weights}, a={self.quantize_activations}, ste={self.recipe.ste}")
+                f"w={self.quantizes(Operand.WEIGHT)}, a={self.quantizes(Operand.INPUT)}, ste={self.recipe.ste}")
 
     # ------------------------------------------------------------------------------- the weight
     def quantized_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool = False,
                          fp8_tail: str | None = None) -> WeightQuantization:
         """The weight operand of the forward and backward (:class:`WeightQuantization`; ``saved`` is decoded when a
         scale is given, used as it is when not; ``values``: on the call that quantized it, what the quantization
-        wrote, so that this forward needs no decode), observed once per optimizer step in training mode.
-
-        Quantized once per optimizer step and cached until the parameter changes (``_version``) or the scale does:
-        with ``grid`` (the emulated and FP8 GEMMs), the grid values themselves in 16 bits (:func:`grid_dtype`:
-        exact, 2 bytes per parameter; the GEMM takes them as they are, or widens them exactly), so that neither an
-        encode nor a decode pass is paid for the weight; else (``dequantize_first``) the uint8 codes, decoded with
-        the scale by forward and backward. ``fp8_tail`` (the FP8 GEMM): the E4M3 parts of the grid values too, made
-        with the cache (once per optimizer step, not once per micro-batch). In evaluation, a :attr:`weight_source`
-        that holds ``weight`` gives the stored operand instead.
-        """
-        if self.weight_source is not None and self.quantize_weights and not self.training:
-            stored = self.weight_source.weight_operand(weight, dtype)
-            if stored is not None:
-                return stored
-        health = self.measure_health and self.training
-        key = self._weight_cache_key(weight, dtype, health, fp8_tail)
-        if self._weight_cache is not None and self._weight_cache[0] == key:
-            quantization = self._weight_cache[1]
-        else:
-            self._weight_cache = None  # free the old codes before making new ones
-            quantization = self._quantize_weight(weight.detach().to(dtype), grid, fp8_tail, health)
-            self._weight_cache = (key, quantization._replace(values=None))
-            self.weight_scaler.observed_this_step = False
-        if self.training and not self.weight_scaler.observed_this_step:
-            self._observe_weight(quantization, weight.numel())
+        wrote, so that this forward needs no decode): the stored one in evaluation (:attr:`weight_source`), else
+        the cached quantization (:meth:`_cached_weight`), observed once per optimizer step in training mode."""
+        stored = self._stored_weight(weight, dtype)
+        if stored is not None:
+            return stored
+        quantization, fresh = self._cached_weight(weight, dtype, grid, fp8_tail)
+        scaler = self.scaler_of(Operand.WEIGHT)
+        if self.training and (fresh or not scaler.observed_this_step):
+            scaler.observe(*quantization.observation)
         return quantization
 
-    def _weight_cache_key(self, weight: torch.Tensor, dtype: torch.dtype, health: bool,
-                          fp8_tail: str | None) -> "WeightCacheKey":
-        return WeightCacheKey(weight._version, weight.data_ptr(), self.weight_scaler.version, dtype,
-                              self.quantize_weights, self.recipe.ste, health, fp8_tail)
+    def _stored_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> WeightQuantization | None:
+        """In evaluation, the operand a :attr:`weight_source` holds for ``weight`` (None: none, or not this one)."""
+        if self.weight_source is None or not self.quantizes(Operand.WEIGHT) or self.training:
+            return None
+        return self.weight_source.weight_operand(weight, dtype)
+
+    def _cached_weight(self, weight: torch.Tensor, dtype: torch.dtype, grid: bool,
+                       fp8_tail: str | None) -> tuple[WeightQuantization, bool]:
+        """-> (the weight quantized once per optimizer step, whether it was quantized by this call).
+
+        Cached until the parameter changes (``_version``) or the scale does: with ``grid`` (the emulated and FP8
+        GEMMs), the grid values themselves in 16 bits (:func:`grid_dtype`: exact, 2 bytes per parameter; the GEMM
+        takes them as they are, or widens them exactly), so that neither an encode nor a decode pass is paid for the
+        weight; else (``dequantize_first``) the uint8 codes, decoded with the scale by forward and backward.
+        ``fp8_tail`` (the FP8 GEMM): the E4M3 parts of the grid values too, made with the cache (once per optimizer
+        step, not once per micro-batch)."""
+        health = self.measure_health and self.training
+        key = WeightCacheKey(weight._version, weight.data_ptr(), self.scaler_of(Operand.WEIGHT).version, dtype,
+                             self.quantizes(Operand.WEIGHT), self.recipe.ste, health, fp8_tail)
+        if self._weight_cache is not None and self._weight_cache[0] == key:
+            return self._weight_cache[1], False
+        self._weight_cache = None  # free the old codes before making new ones
+        quantization = self._quantize_weight(weight.detach().to(dtype), grid, fp8_tail, health)
+        self._weight_cache = (key, quantization._replace(values=None))
+        return quantization, True
 
     def _quantize_weight(self, w: torch.Tensor, grid: bool, fp8_tail: str | None, health: bool) -> WeightQuantization:
         """``w`` (detached, in the compute dtype) quantized with the weight scaler and measured."""
-        if not self.quantize_weights:
-            return WeightQuantization(w, None, amax=w.abs().amax())
-        scaler, fused = self.weight_scaler, self.runtime.fused
+        if not self.quantizes(Operand.WEIGHT):
+            return WeightQuantization(w, None, observation=Observation(w.abs().amax(), None, w.numel()))
+        scaler, fused = self.scaler_of(Operand.WEIGHT), self.runtime.fused
         result, scale = scaler.quantize(w, self.format, want_codes=not grid or bool(fp8_tail), fused=fused, grid=grid,
                                         whatif=True)
         mask = passes_gradient(self.recipe.ste == "clipped", w, scale, scaler, self.format)
-        whatif, measured_health = scaler.measure(w, result, scale, self.format, fused=fused, health=health)
+        observation = Observation(result.amax, result.clipped, w.numel(),
+                                  *scaler.measure(w, result, scale, self.format, fused=fused, health=health))
         values = result.grid if grid else result.dequantized
         fp8 = None
         if grid and fp8_tail:  # from the codes the quantization wrote: a byte read, a byte written
             fp8 = (fp8_tail, e4m3_parts_of_codes(result.codes, self.format.name, scaler.max_val, fp8_tail))
         return WeightQuantization(values.to(grid_dtype(w.dtype)) if grid else result.codes, scale.clone(), mask,
-                                  values, fp8, result.amax, result.clipped, whatif, measured_health)
-
-    def _observe_weight(self, quantization: WeightQuantization, numel: int) -> None:
-        self.weight_scaler.observe(quantization.amax, quantization.clipped, numel, quantization.whatif,
-                                   quantization.health)
+                                  values, fp8, observation)
 
     def release_weight_cache(self) -> None:
         """Drop the cached weight codes: stale once the optimizer steps, so not held through its peak."""
@@ -289,13 +291,18 @@ class QuantizedMatmul(nn.Module):
         plan = self.plan(dtype, x.device)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             w = self.quantized_weight(weight, dtype, grid=plan.on_grid, fp8_tail=plan.tail)
-        return QuantizedMatmulFunction.apply(x, weight, bias, w, plan)
+            with profiled(QUANTIZE):  # the input's part of the step, as when the autograd function quantized it
+                q = plan.quantize_input(x.to(dtype))
+            if q.observation is not None:
+                plan.input.scaler.observe(*q.observation)
+        return QuantizedMatmulFunction.apply(x, weight, bias, q, w, plan)
 
 
 @dataclass(frozen=True)
 class Plan:
     """What one forward of a quantized matmul does: a plan per operand and the settings at call time (the autograd
-    function gets this, not the module)."""
+    function gets this, not the module). It quantizes and never observes: what a scaler should record is handed
+    back (:class:`Observation`) to the one who observes."""
 
     input: OperandPlan
     weight: OperandPlan
@@ -343,44 +350,46 @@ class Plan:
             return GemmOperand(dequantize_codes(saved, scale, self.fmt, self.dtype, fused=self.fused))
 
     def quantize_input(self, x: torch.Tensor) -> QuantizedInput:
-        """``x`` as the GEMM takes it and as backward keeps it (:class:`QuantizedInput`)."""
+        """``x`` as the GEMM takes it and as backward keeps it, and what its scaler observes in training mode."""
         scaler = self.input.scaler
         if not self.input.on:
-            if self.record:
-                scaler.observe(x.abs().amax(), None, x.numel())
-            return QuantizedInput(GemmOperand(x), x, None, None)
+            observation = Observation(x.abs().amax(), None, x.numel()) if self.record else None
+            return QuantizedInput(GemmOperand(x), x, None, None, observation)
         result, scale = scaler.quantize(x, self.fmt, want_codes=self.save_codes or self.on_grid, fused=self.fused,
                                         grid=self.on_grid, whatif=self.record)
+        observation = None
         if self.record:
-            measured = scaler.measure(x, result, scale, self.fmt, fused=self.fused, health=self.health)
-            scaler.observe(result.amax, result.clipped, x.numel(), *measured)
+            observation = Observation(result.amax, result.clipped, x.numel(),
+                                      *scaler.measure(x, result, scale, self.fmt, fused=self.fused, health=self.health))
         mask = passes_gradient(self.ste_clipped, x, scale, scaler, self.fmt)
         operand = (GemmOperand(result.grid, scale, scaler.max_val, codes=result.codes if self.tail else None,
-                           fmt_name=self.fmt.name) if self.on_grid else GemmOperand(result.dequantized))
+                               fmt_name=self.fmt.name) if self.on_grid else GemmOperand(result.dequantized))
         if result.codes is not None:  # kept for backward as 8-bit codes + scale
-            return QuantizedInput(operand, result.codes, scale, mask)
-        return QuantizedInput(operand, operand.values, None, mask)  # dequantize_first without save_8bit_activations
+            return QuantizedInput(operand, result.codes, scale, mask, observation)
+        # dequantize_first without save_8bit_activations
+        return QuantizedInput(operand, operand.values, None, mask, observation)
 
-    def quantize_grad_output(self, g: torch.Tensor) -> GemmOperand:
+    def quantize_grad_output(self, g: torch.Tensor) -> tuple[GemmOperand, Observation | None]:
+        """The output gradient as the backward GEMMs take it, and what its scaler observes (None: no scaler)."""
         scaler = self.grad.scaler
         if scaler is None:
-            return GemmOperand(g)
+            return GemmOperand(g), None
         if not self.grad.on:
-            scaler.observe(g.abs().amax(), None, g.numel())
-            return GemmOperand(g)
+            return GemmOperand(g), Observation(g.abs().amax(), None, g.numel())
         noise = torch.randint(0, 1 << 23, g.shape, device=g.device, dtype=torch.int32) if self.stochastic_grads else None
         result, scale = scaler.quantize(g, self.fmt, noise=noise, fused=self.fused, grid=self.on_grid, whatif=True)
-        measured = scaler.measure(g, result, scale, self.fmt, fused=self.fused, health=self.health, noise=noise)
-        scaler.observe(result.amax, result.clipped, g.numel(), *measured)
-        return GemmOperand(result.grid, scale, scaler.max_val) if self.on_grid else GemmOperand(result.dequantized)
+        observation = Observation(result.amax, result.clipped, g.numel(), *scaler.measure(
+            g, result, scale, self.fmt, fused=self.fused, health=self.health, noise=noise))
+        operand = GemmOperand(result.grid, scale, scaler.max_val) if self.on_grid else GemmOperand(result.dequantized)
+        return operand, observation
 
 
 class QuantizedMatmulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w: WeightQuantization, plan: Plan):
+    def forward(ctx, x, weight, bias, q: QuantizedInput, w: WeightQuantization, plan: Plan):
         dtype = plan.dtype
+        x_op = q.operand
         with torch.autocast(x.device.type, enabled=False):
-            x_op, x_saved, x_saved_scale, x_mask = plan.quantize_input(x.to(dtype))
             b = bias.to(dtype) if bias is not None else None
             w_op = plan.operand(w.saved, w.scale, plan.weight.max_val, w.values, fp8=w.fp8)
             # the three GEMMs' decode factors at once, when the output gradient is not quantized (else backward's)
@@ -397,7 +406,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.has_bias = bias is not None
         # backward needs the quantized input and weight: kept as 8-bit codes + scale where possible
-        ctx.save_for_backward(x_saved, x_saved_scale, w.saved, w.scale, x_mask, w.mask, factors)
+        ctx.save_for_backward(q.saved, q.scale, w.saved, w.scale, q.mask, w.mask, factors)
         return out
 
     @staticmethod
@@ -405,7 +414,9 @@ class QuantizedMatmulFunction(torch.autograd.Function):
         x_saved, x_scale, w_saved, w_scale, x_mask, w_mask, factors = ctx.saved_tensors
         plan: Plan = ctx.plan
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g = plan.quantize_grad_output(grad_out.to(plan.dtype))
+        g, observation = plan.quantize_grad_output(grad_out.to(plan.dtype))
+        if observation is not None:  # the gradient exists only here: its scaler observes it here
+            plan.grad.scaler.observe(*observation)
         if g.quantized:
             factors = None  # the decode factors include the gradient's scale: made by each GEMM
         g2 = g.flat()
@@ -428,7 +439,7 @@ class QuantizedMatmulFunction(torch.autograd.Function):
             grad_w = grad_w.to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = column_sums(g2).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def set_health_measurement(model: nn.Module, on: bool) -> None:

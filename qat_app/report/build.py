@@ -87,9 +87,7 @@ def _initial_evaluation(initial_run: Run | None, initial_dir, baseline: Run, key
             warnings.append(f"--initial {initial_dir} evaluated model.model_name {i_name!r}, the baseline started from {b_name!r}")
         return initial
     initial = evaluate_run(baseline, keys, 0, f"the baseline's step-0 validation ({baseline.path})")
-    if not initial.records and not any(v is not None for v in initial.values.values()):
-        return None
-    return initial
+    return initial if initial.records or any(v is not None for v in initial.values.values()) else None
 
 
 def _benchmark_rows(keys, forgetting: dict, initial, base_eval, q_eval, resamples: int, seed: int) -> list[dict]:

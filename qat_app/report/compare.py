@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .. import stats
+from ..eval.mmlu import MMLU_SUBJECT_CATEGORIES
 from .runs import CONFIG_FILE, SAMPLES_DIR, ReportError, Run, natural_key, flatten, read_samples
 
 
@@ -60,12 +61,6 @@ def evaluate_run(run: Run, keys: list[str], step: int | None, source: str) -> Ev
     return Evaluation(source, values, records, files, missing)
 
 
-def _mmlu_category(subject: str) -> str | None:
-    from qat_app.eval.mmlu import MMLU_SUBJECT_CATEGORIES
-
-    return MMLU_SUBJECT_CATEGORIES.get(subject)
-
-
 def example_values(records: dict[tuple, dict], key: str, path: Path | None = None) -> dict[tuple, float]:
     """Per-example values of a metric key (``val/arc_challenge/acc``, ``val/mmlu/<subject>/acc``,
     ``val/mmlu_<category>/acc``)."""
@@ -75,7 +70,7 @@ def example_values(records: dict[tuple, dict], key: str, path: Path | None = Non
     out = {}
     for k, record in records.items():
         if category is not None:
-            if k[0] != "mmlu" or _mmlu_category(k[1]) != category:
+            if k[0] != "mmlu" or MMLU_SUBJECT_CATEGORIES.get(k[1]) != category:
                 continue
         elif k[0] != task or (subject is not None and k[1] != subject):
             continue

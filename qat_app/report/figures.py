@@ -21,6 +21,44 @@ def _plt():
     return plt
 
 
+def _save(fig, plt, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _grid(plt, n: int, width: float, height: float):
+    """Panels for ``n`` plots (at least one), two a row from two on; the unused ones hidden."""
+    cols = 2 if n > 1 else 1
+    rows = math.ceil(max(1, n) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.flat[max(1, n):]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def _step_matrix(series: dict[str, dict[int, float]]):
+    """(the steps any series logged, ``[series, step]`` values with NaN where a series did not log the step)."""
+    import numpy as np
+
+    steps = sorted({s for values in series.values() for s in values})
+    index = {s: j for j, s in enumerate(steps)}
+    matrix = np.full((len(series), len(steps)), np.nan)
+    for i, values in enumerate(series.values()):
+        for s, v in values.items():
+            matrix[i, index[s]] = v
+    return steps, matrix
+
+
+def _step_ticks(ax, steps: list[int]) -> None:
+    """At most 10 x ticks over the heat map's columns, labelled with their steps."""
+    import numpy as np
+
+    ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(steps[j]) for j in ticks], fontsize=7)
+
+
 def _warmup_line(ax, x: float, step: int, run: Run, color: str = "grey", label: bool = True) -> None:
     """The switch to quantization, labelled with the warmup's real precision (fp32 on CPU configs)."""
     text = f"quantization on (end of {precision_name(run) or 'unquantized'} warmup, step {step})"
@@ -60,9 +98,7 @@ def plot_loss_curves(path: Path, baseline: Run, qats: list[Run], results: list[d
     if ax_err.lines:
         ax_err.legend(fontsize=8)
     ax_err.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, plt, path)
     return {"warmup_lines": sorted(switches)}
 
 
@@ -119,12 +155,7 @@ def clipped_steps(run: Run, tensor: str) -> list[int]:
 def plot_amax(path: Path, qats: list[Run], tensors: list[str]) -> dict:
     """True amax vs a_hat (from the first quantized step, only positive estimates); red x = clipped > 0."""
     plt = _plt()
-    n = max(1, len(tensors))
-    cols = 2 if n > 1 else 1
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
+    fig, axes = _grid(plt, len(tensors), 6, 3.2)
     if not tensors:
         axes[0][0].text(0.5, 0.5, "no per-layer amax / a_hat logged\n(saturation.per_layer=false, or no QAT run)",
                         ha="center", va="center", transform=axes[0][0].transAxes)
@@ -151,9 +182,7 @@ def plot_amax(path: Path, qats: list[Run], tensors: list[str]) -> dict:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("a_hat (the estimate each step was quantized with) vs true amax")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, plt, path)
     return {"warmup_lines": sorted(lines)}
 
 
@@ -169,13 +198,7 @@ def plot_heatmap(path: Path, qats: list[Run]) -> dict:
     for run in qats:
         for kind in kinds or ["input"]:
             tensors = [t for t in run.tensors() if t.endswith("." + kind) and f"sat/{t}/clipped_frac" in run.columns]
-            series = {t: run.series(f"sat/{t}/clipped_frac") for t in tensors}
-            steps = sorted({s for values in series.values() for s in values})
-            matrix = np.full((len(tensors), len(steps)), np.nan)
-            index = {s: j for j, s in enumerate(steps)}
-            for i, t in enumerate(tensors):
-                for s, v in series[t].items():
-                    matrix[i, index[s]] = v
+            steps, matrix = _step_matrix({t: run.series(f"sat/{t}/clipped_frac") for t in tensors})
             panels.append((run, kind, tensors, steps, matrix))
     ncols = max(1, len(kinds))
     heights = [2.2 + 0.13 * max([len(p[2]) for p in panels if p[0] is run] or [1]) for run in qats] or [3]
@@ -192,9 +215,7 @@ def plot_heatmap(path: Path, qats: list[Run]) -> dict:
         shown = np.ma.masked_where(~(matrix > 0), matrix)
         im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=plt.get_cmap("magma_r").with_extremes(bad="#f2f2f2"),
                        norm=norm, extent=(-0.5, len(steps) - 0.5, len(tensors) - 0.5, -0.5))
-        ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([str(steps[j]) for j in ticks], fontsize=7)
+        _step_ticks(ax, steps)
         ax.set_yticks(range(len(tensors)))
         ax.set_yticklabels([t.removesuffix("." + kind) for t in tensors], fontsize=6)  # 0.13 in per row
         ax.set_xlabel("optimizer step")
@@ -210,7 +231,5 @@ def plot_heatmap(path: Path, qats: list[Run]) -> dict:
             fig.colorbar(im, ax=ax, label="clipped fraction (log)")
     for ax in axes.flat[len(panels):]:
         ax.set_axis_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, plt, path)
     return {"warmup_lines": sorted(lines)}

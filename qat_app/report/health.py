@@ -27,7 +27,7 @@ from ..hif8.fallback_summary import summary_lines as fallback_lines
 from ..hif8.health import TIERS, WHATIF_ALGOS
 from ..hif8.operand import Operand
 from ..hif8.recipe import DEFAULT_BLOCK_PATTERN
-from .runs import METRICS_FILE, SUMMARY_FILE, Run, natural_key
+from .runs import METRICS_FILE, SUMMARY_FILE, Run, fmt, natural_key
 
 # the per-tensor figures of qat_app.hif8.health.summarize, as logged under health/<tensor>/
 TIER_FIGURES = tuple(f"tier/{tier}" for tier in TIERS)
@@ -223,10 +223,6 @@ def tensor_order(run: Run, names: list[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- tables
-def _fmt(value, spec: str) -> str:
-    return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
-
-
 def _vs_real(clipped: int, real: int) -> str:
     difference = clipped - real
     ratio = f" ({clipped / real:.3g}×)" if real else ""
@@ -271,12 +267,12 @@ def render_whatif(results: list[dict]) -> list[str]:
 def _tiers_cell(last: dict | None) -> str:
     if not last:
         return "–"
-    return " / ".join(_fmt(None if last.get(f) is None else 100 * last[f], ".1f") for f in TIER_FIGURES)
+    return " / ".join(fmt(None if last.get(f) is None else 100 * last[f], ".1f") for f in TIER_FIGURES)
 
 
 def _last_sqnr_cell(last: dict, unquantized_since: int | None) -> str:
     """The last 8-bit SQNR; for an operand that fell back to high precision, said so: it has no 8-bit error since."""
-    value = _fmt(last.get("sqnr_db"), ".2f")
+    value = fmt(last.get("sqnr_db"), ".2f")
     return value if unquantized_since is None else f"{value} (high precision after step {unquantized_since})"
 
 
@@ -293,11 +289,11 @@ def render_health(results: list[dict], top: int = TOP_TENSORS) -> list[str]:
              "| | " + " | ".join(f"`{r['label']}`" for r in results) + " |", "|---|" + "---:|" * len(results)]
 
     def at(value, spec: str, where: str) -> str:  # "value (where)", or "–" without a value
-        return "–" if value is None else f"{_fmt(value, spec)} ({where})"
+        return "–" if value is None else f"{fmt(value, spec)} ({where})"
 
     run_rows = {
         "min SQNR (dB)": lambda h: at(h["min_sqnr_db"], ".2f", f"step {h['min_sqnr_step']}, `{h['min_sqnr_tensor']}`"),
-        "underflow fraction, last logged step": lambda h: _fmt(h["underflow_frac"], ".3e"),
+        "underflow fraction, last logged step": lambda h: fmt(h["underflow_frac"], ".3e"),
         "max underflow fraction": lambda h: at(h["max_underflow_frac"], ".3e", f"step {h['max_underflow_frac_step']}"),
         "max outlier factor, last logged": lambda h: at(h["max_outlier_factor"], ".3g", f"`{h['max_outlier_tensor']}`"),
         "tensors measured": lambda h: str(len(h["tensors"])),
@@ -316,9 +312,9 @@ def render_health(results: list[dict], top: int = TOP_TENSORS) -> list[str]:
                   f"tiers % ({tier_names}) |", "|---:|---|---:|---:|---:|---:|---:|---|"]
         for rank, t in enumerate(shown, start=1):
             last = t["last"] or {}
-            cells = [str(rank), f"`{t['tensor']}`", _fmt(t["worst_sqnr_db"], ".2f"), _fmt(t["worst_sqnr_step"], "d"),
-                     _last_sqnr_cell(last, t.get("unquantized_since")), _fmt(last.get("underflow_frac"), ".2e"),
-                     _fmt(last.get("outlier_factor"), ".3g"), _tiers_cell(last)]
+            cells = [str(rank), f"`{t['tensor']}`", fmt(t["worst_sqnr_db"], ".2f"), fmt(t["worst_sqnr_step"], "d"),
+                     _last_sqnr_cell(last, t.get("unquantized_since")), fmt(last.get("underflow_frac"), ".2e"),
+                     fmt(last.get("outlier_factor"), ".3g"), _tiers_cell(last)]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -339,19 +335,19 @@ def render_headroom(results: list[dict]) -> list[str]:
                  "gain is not a loss or benchmark gain.")
     for label, h in runs:
         grid = h["grid"]
-        lines += ["", f"### `{label}` (step {h.get('step')}): suggested max_val {_fmt(h['suggested'].get('all'), 'g')}, "
-                      f"{_fmt(h.get('gain_db'), '+.2f')} dB estimated, "
+        lines += ["", f"### `{label}` (step {h.get('step')}): suggested max_val {fmt(h['suggested'].get('all'), 'g')}, "
+                      f"{fmt(h.get('gain_db'), '+.2f')} dB estimated, "
                       + ("beyond" if h.get("significant") else "inside") + " the estimate's error", "",
                   "| operand | " + " | ".join(f"{m:g}" for m in grid) + " | suggested | gain (dB) |",
                   "|---|" + "---:|" * (len(grid) + 2)]
         for operand, entry in h.get("by_operand", {}).items():
-            cells = [_fmt(v, ".2f") for v in entry["sqnr_db"]]
+            cells = [fmt(v, ".2f") for v in entry["sqnr_db"]]
             lines.append(f"| {operand} (run: {entry['run_max_val']:g}) | " + " | ".join(cells)
-                         + f" | {_fmt(entry.get('suggested'), 'g')} | {_fmt(entry.get('gain_db'), '+.2f')} |")
+                         + f" | {fmt(entry.get('suggested'), 'g')} | {fmt(entry.get('gain_db'), '+.2f')} |")
         if h.get("by_block"):
             lines += ["", "Per block (mean estimated SQNR in dB over its quantized tensors):", "",
                       "| block | " + " | ".join(f"{m:g}" for m in grid) + " |", "|---:|" + "---:|" * len(grid)]
-            lines += [f"| {block} | " + " | ".join(_fmt(v, ".2f") for v in entry["sqnr_db"]) + " |"
+            lines += [f"| {block} | " + " | ".join(fmt(v, ".2f") for v in entry["sqnr_db"]) + " |"
                       for block, entry in h["by_block"].items()]
     return lines + headroom_crosscheck_lines(runs)
 
@@ -397,9 +393,9 @@ def headroom_crosscheck_lines(runs: list[tuple[str, dict]]) -> list[str]:
              "| predicted by | run | max_val | est. mean SQNR (dB) [bound] | measured | est. clipped [bound] | measured |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| `{r['predictor']}` | `{r['run']}` | {r['max_val']:g} | {_fmt(r['sqnr_db'], '.2f')} "
-                     f"[{_fmt(r['sqnr_db_low'], '.2f')}, {_fmt(r['sqnr_db_high'], '.2f')}] | "
-                     f"{_fmt(r['measured_sqnr_db'], '.2f')} | {r['clipped']:.1f} [{r['clipped_low']:.0f}, "
+        lines.append(f"| `{r['predictor']}` | `{r['run']}` | {r['max_val']:g} | {fmt(r['sqnr_db'], '.2f')} "
+                     f"[{fmt(r['sqnr_db_low'], '.2f')}, {fmt(r['sqnr_db_high'], '.2f')}] | "
+                     f"{fmt(r['measured_sqnr_db'], '.2f')} | {r['clipped']:.1f} [{r['clipped_low']:.0f}, "
                      f"{r['clipped_high']:.0f}] | {r['measured_clipped']} |")
     return lines
 

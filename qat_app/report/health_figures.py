@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..hif8.estimators import ESTIMATORS
 from ..hif8.health import TIERS
-from .figures import _plt, _warmup_line
+from .figures import _grid, _plt, _save, _step_matrix, _step_ticks, _warmup_line
 from .health import (REAL_CLIPPED, TIER_FIGURES, WHATIF_CAVEAT, cumulative, estimator_used, health_column,
                      health_tensors_in_csv, module_kind, tensor_order, whatif_column)
 from .runs import Run, warmup_switch_step
@@ -28,25 +28,10 @@ NOT_LOGGED_COLOR = "#e6e6e6"
 LABEL_EVERY_ROW = 80  # up to this many tensors every heat-map row is named; beyond, the blocks are
 
 
-def _grid(plt, n: int, width: float, height: float):
-    cols = 2 if n > 1 else 1
-    rows = math.ceil(max(1, n) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
-    for ax in axes.flat[max(1, n):]:
-        ax.set_visible(False)
-    return fig, axes
-
-
 def _empty(ax, text: str, width: int = 70) -> None:
     ax.text(0.5, 0.5, textwrap.fill(text, width), ha="center", va="center", transform=ax.transAxes, fontsize=9)
     ax.set_xticks([])
     ax.set_yticks([])
-
-
-def _save(fig, plt, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------- what-if
@@ -114,13 +99,8 @@ def sqnr_matrix(run: Run):
     import numpy as np
 
     tensors = tensor_order(run, [t for t in health_tensors_in_csv(run) if health_column(t, "sqnr_db") in run.columns])
-    series = {t: run.series(health_column(t, "sqnr_db")) for t in tensors}
-    steps = sorted({s for values in series.values() for s in values})
-    index = {s: j for j, s in enumerate(steps)}
-    matrix = np.full((len(tensors), len(steps)), np.nan)
-    for i, t in enumerate(tensors):
-        for s, v in series[t].items():
-            matrix[i, index[s]] = v if math.isfinite(v) else np.nan
+    steps, matrix = _step_matrix({t: run.series(health_column(t, "sqnr_db")) for t in tensors})
+    matrix[~np.isfinite(matrix)] = np.nan
     return tensors, steps, matrix
 
 
@@ -169,9 +149,7 @@ def plot_sqnr_heatmap(path: Path, qats: list[Run], healths: list[dict]) -> dict:
         i, j = np.unravel_index(np.nanargmin(matrix), matrix.shape)
         ax.plot(j, i, "s", ms=7, mfc="none", mec="black", mew=1.5)
         worst_cells[run.label] = {"tensor": tensors[i], "step": steps[j], "sqnr_db": float(matrix[i, j])}
-        ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([str(steps[k]) for k in ticks], fontsize=7)
+        _step_ticks(ax, steps)
         _label_rows(ax, run, tensors)
         switch = warmup_switch_step(run)
         before = [k for k, s in enumerate(steps) if s < switch] if switch is not None else []

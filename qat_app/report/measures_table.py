@@ -12,12 +12,10 @@ McNemar p; results.json has their normal-interval rows too).
 
 from __future__ import annotations
 
-import math
-
 from .. import stats
 from ..eval.measures import MEASURES, MeasureError, cluster_field, compare_records, verdict
 from .compare import COMPARISONS, Evaluation, is_main_metric
-from .runs import ReportError
+from .runs import ReportError, fmt
 
 MEASURE_CSV_COLUMNS = ("se", "z", "n_clusters", "right_to_wrong", "wrong_to_right", "kind")
 # shown in the accuracy table (bootstrap interval, McNemar p), so not repeated in the measures' table
@@ -26,14 +24,11 @@ IN_ACCURACY_TABLE = ("acc", "acc_norm")
 
 def measure_tasks(keys: list[str]) -> dict[str, list[str]]:
     """``{split: [task, ...]}`` of the main benchmark keys (``<split>/<task>/acc|acc_norm``) being reported."""
-    out: dict[str, list[str]] = {}
-    for key in keys:
-        if is_main_metric(key):
-            split, task, _ = key.split("/")
-            out.setdefault(split, [])
-            if task not in out[split]:
-                out[split].append(task)
-    return out
+    out: dict[str, dict[str, None]] = {}
+    for key in filter(is_main_metric, keys):
+        split, task, _ = key.split("/")
+        out.setdefault(split, {})[task] = None  # an ordered set
+    return {split: list(tasks) for split, tasks in out.items()}
 
 
 def compare_measures(before: Evaluation | None, after: Evaluation, tasks: dict[str, list[str]],
@@ -51,12 +46,9 @@ def compare_measures(before: Evaluation | None, after: Evaluation, tasks: dict[s
             continue
         common = [t for t in names if any(k[0] == t for k in before.records[split])
                   and any(k[0] == t for k in after.records[split])]
-        if not common:
-            out.update({f"{split}/{task}": {"note": f"{task}: not in both runs' records"} for task in names})
-            continue
         try:
             result = compare_records(before.records[split].values(), after.records[split].values(),
-                                     level=level, tasks=common)
+                                     level=level, tasks=common) if common else None
         except MeasureError as err:
             raise ReportError(f"{before.record_files[split]} ({before.source}) and {after.record_files[split]} "
                               f"({after.source}): {err}") from None
@@ -89,15 +81,11 @@ def _row(name: str, r: stats.PairedResult) -> dict:
             "verdict": "drift" if m.kind == "drift" else verdict(m, r), "note": r.note}
 
 
-def _fmt(value, spec: str) -> str:
-    return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
-
-
 def _cell(row: dict | None) -> str:
     if row is None:
         return "–"
-    text = f"{_fmt(row['difference'], '+.4f')} [{_fmt(row['ci_low'], '+.4f')}, {_fmt(row['ci_high'], '+.4f')}]"
-    text += f" z={_fmt(row['z'], '+.1f')}"
+    text = f"{fmt(row['difference'], '+.4f')} [{fmt(row['ci_low'], '+.4f')}, {fmt(row['ci_high'], '+.4f')}]"
+    text += f" z={fmt(row['z'], '+.1f')}"
     if row["right_to_wrong"] is not None:
         text += f", {row['right_to_wrong']} r→w / {row['wrong_to_right']} w→r, p={row['mcnemar_p']:.3g}"
     return f"{text} **{row['verdict']}**"
@@ -137,7 +125,7 @@ def render_measures(results: list[dict], labels: list[str], with_initial: bool) 
                 if name in IN_ACCURACY_TABLE or not any(name in e.get("measures", {}) for e in entries.values()):
                     continue
                 n = q.get("n", (None,))[0]
-                cells = [task, f"`{name}`", _fmt(n, "d"), q.get("clusters", "–")]
+                cells = [task, f"`{name}`", fmt(n, "d"), q.get("clusters", "–")]
                 cells += [_cell(e.get("measures", {}).get(name)) for e in entries.values()]
                 lines.append("| " + " | ".join(cells) + " |")
         lines += [""] * bool(notes) + [f"- {note} ({', '.join(where)})" for note, where in list(notes.items())[:20]]

@@ -232,6 +232,11 @@ def last_value(series: dict[int, float]) -> float | None:
     return series[max(series)] if series else None
 
 
+def fmt(value, spec: str = ".4f") -> str:
+    """``value`` formatted with ``spec``; "–" for None or a non-finite float (the tables' empty cell)."""
+    return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
 def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     files = find_metrics_files(path)
     run = Run(label or default_label(path), Path(path), files, [read_metrics(f) for f in files])

@@ -12,14 +12,8 @@ from .health import health_scalars, render_fallback, render_forecast, render_hea
 from .measures_table import MEASURE_CSV_COLUMNS, csv_rows, has_measures, render_measures
 from ..eval.records import scored_line
 from ..hif8.inventory import INVENTORY_FILE, block_ranges
-from .runs import (CONFIG_FILE, SUMMARY_FILE, Run, inventory_stats, last_value, precision_name, quantized,
+from .runs import (CONFIG_FILE, SUMMARY_FILE, Run, fmt, inventory_stats, last_value, precision_name, quantized,
                    scored_examples)
-
-
-def _fmt(value, spec: str = ".4f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "–"
-    return format(value, spec)
 
 
 def json_safe(value):
@@ -36,7 +30,7 @@ def json_safe(value):
 def _diff_cell(c: dict) -> str:
     if c["difference"] is None:
         return "–"
-    text = _fmt(c["difference"], "+.4f")
+    text = fmt(c["difference"], "+.4f")
     if c["ci_low"] is None:
         return text + " (CI n/a)"
     p = f", p={c['mcnemar_p']:.3g}" if c["mcnemar_p"] is not None else ""
@@ -104,9 +98,9 @@ def _render_benchmark_tables(qats: list[Run], initial: Evaluation | None, result
         lines += ["", f"## `{run.label}`", "", "| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         shown = [b for b in r["benchmarks"] if b["metric"].count("/") == 2]
         for b in shown:
-            cells = [b["metric"]] + ([_fmt(b["initial"])] if initial else []) + [_fmt(b["baseline"]), _fmt(b["qat"])]
+            cells = [b["metric"]] + ([fmt(b["initial"])] if initial else []) + [fmt(b["baseline"]), fmt(b["qat"])]
             cells += [_diff_cell(b["comparisons"][c]) for c in comps]
-            cells += [_n_cell(b["comparisons"]["quantization"]), _fmt(b["relative_drop_pct"], ".2f")]
+            cells += [_n_cell(b["comparisons"]["quantization"]), fmt(b["relative_drop_pct"], ".2f")]
             lines.append("| " + " | ".join(cells) + " |")
             notes += [b["comparisons"][c]["ci_note"] for c in comps if b["comparisons"][c]["ci_note"]]
         if len(shown) < len(r["benchmarks"]):
@@ -115,7 +109,7 @@ def _render_benchmark_tables(qats: list[Run], initial: Evaluation | None, result
         if not r["benchmarks"]:
             lines.append("| *no benchmark metrics (`val/<task>/acc`) logged* |" + " |" * (len(head) - 1))
         else:
-            lines.append("| **mean relative drop** (main metrics) |" + " |" * (len(head) - 2) + f" {_fmt(r['mean_relative_drop_pct'], '.2f')} |")
+            lines.append("| **mean relative drop** (main metrics) |" + " |" * (len(head) - 2) + f" {fmt(r['mean_relative_drop_pct'], '.2f')} |")
     notes = list(dict.fromkeys(notes))
     return lines + [""] * bool(notes) + [f"- CI n/a: {note}; point values only" for note in notes[:10]]
 
@@ -125,14 +119,14 @@ def _render_training_loss(baseline: Run, results: list[dict], ape_from_step: int
     since = f", steps ≥ {ape_from_step}" if ape_from_step else ""
     lines = ["", "## Training loss", "", f"| run | train-loss APE % (common steps{since}) | final train loss | final val loss |",
              "|---|---:|---:|---:|",
-             f"| `{baseline.label}` | – | {_fmt(last_value(baseline.train_loss()))} | {_fmt(baseline.last('val/loss'))} |"]
-    lines += [f"| `{r['label']}` | {_fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']}) | "
-              f"{_fmt(r['final_train_loss'])} | {_fmt(r['final_val_loss'])} |" for r in results]
+             f"| `{baseline.label}` | – | {fmt(last_value(baseline.train_loss()))} | {fmt(baseline.last('val/loss'))} |"]
+    lines += [f"| `{r['label']}` | {fmt(r['train_loss_ape_pct'], '.3f')} ({r['ape_common_steps']}) | "
+              f"{fmt(r['final_train_loss'])} | {fmt(r['final_val_loss'])} |" for r in results]
     distilled = [r for r in results if r.get("distill")]
     if distilled:  # their train loss above is the CE they log beside the KL they train on
         lines += ["", "Distilled runs (their train loss above is their next-token CE, `distill/ce`):", "",
                   "| run | KL(teacher ‖ student), last step | CE, last step |", "|---|---:|---:|"]
-        lines += [f"| `{r['label']}` | {_fmt(r['distill']['kl'])} | {_fmt(r['distill']['ce'])} |" for r in distilled]
+        lines += [f"| `{r['label']}` | {fmt(r['distill']['kl'])} | {fmt(r['distill']['ce'])} |" for r in distilled]
     return lines
 
 
@@ -142,8 +136,8 @@ def _render_arc_check(results: list[dict]) -> list[str]:
     for r in results:
         for a in r["arc_check"]:
             ci = f" [{a['ci_low']:+.4f}, {a['ci_high']:+.4f}], n={a['n']}" if a["ci_low"] is not None else " (CI n/a)"
-            lines.append(f"- `{r['label']}` {a['metric']}: drop {_fmt(a['relative_drop_pct'], '.2f')} % "
-                         f"({'>' if a['drop_gt_1pct'] else '≤'} 1 %), Δ {_fmt(a['difference'], '+.4f')}{ci}: **{a['verdict']}**")
+            lines.append(f"- `{r['label']}` {a['metric']}: drop {fmt(a['relative_drop_pct'], '.2f')} % "
+                         f"({'>' if a['drop_gt_1pct'] else '≤'} 1 %), Δ {fmt(a['difference'], '+.4f')}{ci}: **{a['verdict']}**")
         if not r["arc_check"]:
             lines.append(f"- `{r['label']}`: no ARC-Challenge metric logged")
     return lines
@@ -164,7 +158,7 @@ def _render_saturation(results: list[dict]) -> list[str]:
         for r in results:
             s = r["saturation"] or {}
             value = s.get(key)
-            cells.append("never" if key == "first_clipped_step" and value is None and s.get("clipped") == 0 else _fmt(value, spec))
+            cells.append("never" if key == "first_clipped_step" and value is None and s.get("clipped") == 0 else fmt(value, spec))
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     for r in results:
         s = r["saturation"]
