@@ -7,8 +7,7 @@
 - ``callback_hasattr``: ``hasattr`` on an element of ``trainer.callbacks`` (one callback looking for another);
 - ``operand_from_name``: call sites that read an operand out of a tensor, module or state name: a split (``split``,
   ``rsplit``, ``partition``, ``rpartition`` on ".") on a line naming an operand or scaler, or a call of a function
-  that does (``operand_of``, ``Operand.of_tensor`` / ``Operand.of_scaler``, kept for names read
-  back from files and state-dict keys).
+  that does (``operand_of``, ``Operand.of_tensor``, kept for names read back from files).
 
 Each count lists its sites with ``--list``. Not a test: a measure, read before and after a change.
 """
@@ -22,7 +21,7 @@ from pathlib import Path
 PACKAGES = ("qat_app", "callbacks")
 SPLITS = {"split", "rsplit", "partition", "rpartition"}
 OPERAND_WORDS = ("operand", "scaler", "SCALER", "OPERAND")
-NAME_PARSERS = {"operand_of", "of_tensor", "of_scaler"}  # the functions that read an operand out of a name
+NAME_PARSERS = {"operand_of", "of_tensor"}  # the functions that read an operand out of a name
 
 
 def python_files(root: Path):

@@ -14,7 +14,7 @@ from qat_app.hif8.counters import HEALTH
 from qat_app.hif8.fallback import quantized_tensors
 from qat_app.hif8.headroom import DEFAULT_GRID, digest, estimate_headroom, validate_grid
 from qat_app.hif8.health import FIELDS as HEALTH_FIELDS, TIERS, summarize
-from qat_app.hif8.fallback_targets import unquantized_by
+from qat_app.hif8.fallback_targets import FallbackDecision, unquantized_by
 from qat_app.hif8.recipe import DEFAULT_BLOCK_PATTERN
 from qat_app.hif8.step_record import StepRecord
 
@@ -158,12 +158,12 @@ class HealthLog:
                                 for m, v in zip(grid, entry["sqnr_db"]) if v is not None})
         return metrics
 
-    def of(self, name: str, fallback: dict | None = None) -> dict:
+    def of(self, name: str, fallback: FallbackDecision | None = None) -> dict:
         """One tensor's last logged health and its worst SQNR (and when), and since when it is unquantized (a
         fallback to high precision: its 8-bit figures stop there)."""
         worst = self.worst.get(name, {})
         out = {"last": self.last.get(name), "worst_sqnr_db": finite_or_none(worst.get("sqnr_db", math.nan)),
                "worst_sqnr_step": worst.get("step")}
         if unquantized_by(fallback):
-            out["unquantized_since"] = fallback.get("step")
+            out["unquantized_since"] = fallback.step
         return out

@@ -22,7 +22,8 @@ import torch
 
 from qat_app.errors import ConfigError
 from qat_app.hif8.counters import as_rows, gather_columns
-from qat_app.hif8.fallback import fallen_back, quantized_tensors
+from qat_app.hif8.fallback import quantized_tensors
+from qat_app.hif8.fallback_targets import FallbackDecision
 from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.health import WHATIF_ALGOS
 from qat_app.hif8.quantized import set_health_measurement
@@ -81,10 +82,10 @@ class TotalsRow(NamedTuple):
     seen: float
 
 
-def fallback_entries(model) -> list[dict]:
-    """The fallback decisions of ``model`` (:func:`qat_app.hif8.fallback.fallen_back`), named like the tensors here."""
-    return [{"tensor": f"{short_name(d['module'])}.{d['operand']}", **{k: v for k, v in d.items() if k not in ("module", "operand")}}
-            for d in fallen_back(model)]
+def fallback_decisions(model) -> dict[str, FallbackDecision]:
+    """The fallback decisions of ``model`` by tensor, named like the tensors here, in model order."""
+    return {f"{short_name(name)}.{operand}": layer.fallback[operand]
+            for name, layer, operand in quantized_tensors(model) if operand in layer.fallback}
 
 
 def step_record_of(pl_module: L.LightningModule, step: int) -> StepRecord | None:
@@ -261,7 +262,7 @@ class AmaxSaturationCallback(PerOptimizerStep):
             clipped, events = columns["total_whatif_clipped"][index], columns["whatif_events"][index]
             return {algo: {"clipped": int(clipped[k]), "events": int(events[k])} for k, algo in enumerate(WHATIF_ALGOS)}
 
-        fallback = {entry["tensor"]: entry for entry in fallback_entries(pl_module.model)}
+        decisions = fallback_decisions(pl_module.model)
         tensors = {
             name: {
                 "clipped": int(r.clipped), "seen": int(r.seen), "clipped_frac": r.clipped / r.seen if r.seen else 0.0,
@@ -269,12 +270,12 @@ class AmaxSaturationCallback(PerOptimizerStep):
                 "min_headroom": finite_or_none(r.min_headroom),
                 "first_clipped_step": self.first_clipped_step.get(name),
                 "a_hat": r.a_hat, "scale": r.scale, "steps_recorded": int(r.steps_recorded),
-                "whatif": whatif_of(index), "health": self.health_log.of(name, fallback.get(name)),
-                "fallback": {k: v for k, v in fallback[name].items() if k != "tensor"} if name in fallback else None,
+                "whatif": whatif_of(index), "health": self.health_log.of(name, decisions.get(name)),
+                "fallback": decisions[name].as_dict() if name in decisions else None,
             }
             for index, ((name, _), r) in enumerate(zip(pairs, rows))
         }
-        return tensors, fallback
+        return tensors, {name: {"tensor": name, **decision.as_dict()} for name, decision in decisions.items()}
 
     def summary(self, pl_module: L.LightningModule) -> dict:
         """Run totals over all ranks (a collective: call it on every rank)."""

@@ -86,7 +86,7 @@ def _scheme_of(name: str, layer: HiF8Linear, target: ServeTarget) -> tuple[str |
     if not layer.quantizes(Operand.WEIGHT):
         return None, why_dense(layer)
     if not layer.quantizes(Operand.INPUT):
-        decision = layer.fallback.get("input")
+        decision = layer.fallback.get(Operand.INPUT)
         why = (f"its input fell back to high precision at step {decision.step}" if decision
                else "input quantization is off")
         if not target.weight_only_kernel:

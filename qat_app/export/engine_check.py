@@ -285,7 +285,6 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
     token ids) and ``benchmarks`` (scored through lm-eval's vllm backend when lm-eval is in the environment);
     an engine still running after ``timeout`` seconds is one line (:func:`stalled`)."""
     from .compressed import read_report
-    from .served import load_served
 
     report = read_report(export_dir)  # an FP8 export, or one line naming the file
     target = report.get("serve_target", {"name": "cuda (static inputs: written before --serve_target)", "served_by": {}})
@@ -300,8 +299,7 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
                "max_model_len": max([len(ids) for ids in rows] + [256]) + max_tokens}
     index = None
     if benchmarks is not None and has_lm_eval(python):
-        index, pairs = loglikelihood_requests(benchmarks)
-        request["loglikelihood"] = pairs
+        index, request["loglikelihood"] = loglikelihood_requests(benchmarks)
         request["max_model_len"] = max(request["max_model_len"], 2048)
     positions = json.loads((Path(export_dir) / "config.json").read_text()).get("max_position_embeddings")
     if positions:  # vLLM refuses a context longer than the model's
@@ -313,33 +311,45 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
                         seconds={"engine": time.perf_counter() - started, "engine_load": result["load_seconds"],
                                  "engine_text": result["text_seconds"],
                                  **({"engine_lm_eval": result["loglikelihood_seconds"]} if index else {})})
-    model = module.model.eval()
     if rows:
         started = time.perf_counter()
-        check.sequences, check.tokens = len(rows), sum(len(ids) - 1 for ids in rows)
-        check.trained = text_against_engine(model, blocks, result["prompt_logprobs"], "trained (QAT)")
-        from ..eval.noise_floor import noise_floor
-
-        check.floor = noise_floor(model, blocks)
-        if emulate:
-            from .served import compare_on_text
-
-            trust = bool(module.hparams.get("trust_remote_code"))
-            emulated = load_served(export_dir, dtype=torch.float32, trust_remote_code=trust)
-            check.emulation = text_against_engine(emulated, blocks, result["prompt_logprobs"], "emulation (float32)")
-            check.emulated_kl = compare_on_text(model, emulated, blocks, yardstick=False).kl
-            emulated_bf16 = load_served(export_dir, dtype=torch.bfloat16, trust_remote_code=trust)
-            check.bf16_change = compare_on_text(emulated, emulated_bf16, blocks, yardstick=False).kl
+        _measure_text(check, module, export_dir, blocks, result["prompt_logprobs"], emulate)
         check.seconds["measure_text"] = time.perf_counter() - started
     if index is not None:
-        from ..eval.measures import compare_records
-        from .served import BENCHMARK_MEASURES, benchmark_rows
-
-        trained_metrics, trained_rows = benchmark_rows(model, benchmarks)
-        engine_rows = engine_benchmark_rows(benchmarks, index, result["loglikelihood"])
-        check.benchmarks = compare_records(trained_rows, engine_rows, BENCHMARK_MEASURES)
-        check.accuracies = {"trained": trained_metrics, "engine": _metrics(engine_rows)}
+        _measure_benchmarks(check, module.model.eval(), benchmarks, engine_benchmark_rows(
+            benchmarks, index, result["loglikelihood"]))
     return check
+
+
+def _measure_text(check: EngineCheck, module, export_dir, blocks: list[torch.Tensor], prompt_logprobs,
+                  emulate: bool) -> None:
+    """The held-out text against the engine's log-probs: the trained model, its noise floor and (``emulate``) the
+    export's emulation in float32, with the bound bfloat16 rounding puts on it."""
+    from ..eval.noise_floor import noise_floor
+    from .served import compare_on_text, load_served
+
+    model = module.model.eval()
+    check.sequences = sum(len(block) for block in blocks)
+    check.tokens = sum(len(ids) - 1 for block in blocks for ids in block)
+    check.trained = text_against_engine(model, blocks, prompt_logprobs, "trained (QAT)")
+    check.floor = noise_floor(model, blocks)
+    if emulate:
+        trust = bool(module.hparams.get("trust_remote_code"))
+        emulated = load_served(export_dir, dtype=torch.float32, trust_remote_code=trust)
+        check.emulation = text_against_engine(emulated, blocks, prompt_logprobs, "emulation (float32)")
+        check.emulated_kl = compare_on_text(model, emulated, blocks, yardstick=False).kl
+        emulated_bf16 = load_served(export_dir, dtype=torch.bfloat16, trust_remote_code=trust)
+        check.bf16_change = compare_on_text(emulated, emulated_bf16, blocks, yardstick=False).kl
+
+
+def _measure_benchmarks(check: EngineCheck, model, benchmarks, engine_rows: list[dict]) -> None:
+    """The engine's benchmark scores (lm-eval's vllm backend) against the trained model's, example by example."""
+    from ..eval.measures import compare_records
+    from .served import BENCHMARK_MEASURES, benchmark_rows
+
+    trained_metrics, trained_rows = benchmark_rows(model, benchmarks)
+    check.benchmarks = compare_records(trained_rows, engine_rows, BENCHMARK_MEASURES)
+    check.accuracies = {"trained": trained_metrics, "engine": _metrics(engine_rows)}
 
 
 def _metrics(rows: list[dict]) -> dict[str, float]:
@@ -367,12 +377,61 @@ def tokens_per_second_line(generation: dict) -> str:
             f"**{rate:.1f} tokens/s** (one measurement after a warm-up; this CPU: {cpu_features()}).")
 
 
+def _text_lines(check: EngineCheck) -> list[str]:
+    """The held-out text's table: the trained model and the emulation against the engine, the floor, the bound."""
+    lines = [f"Held-out text: {check.sequences} sequences, {check.tokens} predicted tokens; 95% intervals, each "
+             f"sequence one unit. KL from the engine's top-{check.top_k} log-probs: the partition lower bound "
+             "(the true KL is at least this; `coverage`: the model's mass on the engine's top-k + the served token).",
+             "", "| against the engine | KL lower bound, nats/token | coverage | perplexity ratio engine / model |",
+             "|---|---|---|---|"]
+    for side in (check.trained, check.emulation):
+        if side is not None:
+            ratio, low, high = side.perplexity_ratio
+            lines.append(f"| {side.against} | {_ci(side.kl_lower_bound, '.5f')} | {side.coverage:.4f} | "
+                         f"{ratio:.5f} [{low:.5f}, {high:.5f}] |")
+    lines.append("")
+    if check.floor is not None:
+        bound = check.trained.kl_lower_bound
+        lines.append(f"- {check.floor.describe()}. The trained-vs-engine KL lower bound {bound.difference:.5f} "
+                     f"against it: {check.floor.verdict(bound)} (a lower bound: the full KL may lie higher).")
+    if check.emulated_kl is not None:
+        lines.append(f"- `--compare`'s emulated figure, KL(trained || emulation) over the full vocabulary: "
+                     f"{_ci(check.emulated_kl, '.5f')} nats/token.")
+    if check.bf16_change is not None:
+        within = check.emulation_within_bound
+        lines.append(f"- The emulation against the engine: {check.emulation.kl_lower_bound.difference:.5f} nats/token, "
+                     f"bound {check.emulation_bound:.5f} (2 x KL(emulation float32 || bfloat16) = 2 x "
+                     f"{check.bf16_change.difference:.5f}): "
+                     + ("**within** it: the emulation is the engine up to float rounding." if within else
+                        "**above** it: the engine computes something the emulation does not."))
+    lines.append("")
+    return lines
+
+
+def _benchmark_lines(check: EngineCheck) -> list[str]:
+    """The benchmarks' table: the engine (lm-eval's vllm backend) against the trained model, per task."""
+    from ..eval.measures import verdict
+    from .served import flips_text, floor_flips, floor_note, floor_tasks_of
+
+    lines = ["Benchmarks: lm-eval's `vllm` backend (log-likelihoods) on the export vs the trained model's in-loop "
+             "scores, same examples, engine - trained, 95% CI clustered as the report clusters:", "",
+             "| task | n | acc trained | acc engine | difference | flips r->w / w->r (McNemar p) | acc_norm difference | "
+             "verdict | acc answers changed by the floor's perturbation, per seed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    floor_tasks = floor_tasks_of(check.run_floor)
+    for task, results in check.benchmarks.items():
+        acc, norm = results.get("acc"), results.get("acc_norm")
+        lines.append(f"| {task} | {acc.n} | {acc.before:.4f} | {acc.after:.4f} | {_ci(acc, '+.4f')} | "
+                     f"{flips_text(results.get('flips_acc'))} | {_ci(norm, '+.4f') if norm else ''} | "
+                     f"{verdict('acc', acc)} | {floor_flips(floor_tasks.get(task))} |")
+    lines += floor_note(check.run_floor, "engine")
+    lines.append("")
+    return lines
+
+
 def render(check: EngineCheck) -> str:
     """Markdown: what the engine served, the text measures (with the emulation beside them and its bound) and
     the benchmarks through lm-eval's vllm backend."""
-    from ..eval.measures import verdict
-    from .served import floor_flips, floor_note
-
     versions = ", ".join(f"{k} {v}" for k, v in check.versions.items() if v)
     lines = [f"## Served by the engine ({versions}) vs trained (HiF8 QAT)", "",
              f"Export: `{check.export}`. Kernels vLLM selected: "
@@ -381,48 +440,9 @@ def render(check: EngineCheck) -> str:
     lines += [f"- {g['prompt']!r} -> {g['completion']!r}" for g in check.generations]
     lines += ["", tokens_per_second_line(check.generation), ""]
     if check.trained is not None:
-        lines += [f"Held-out text: {check.sequences} sequences, {check.tokens} predicted tokens; 95% intervals, each "
-                  f"sequence one unit. KL from the engine's top-{check.top_k} log-probs: the partition lower bound "
-                  "(the true KL is at least this; `coverage`: the model's mass on the engine's top-k + the served token).",
-                  "", "| against the engine | KL lower bound, nats/token | coverage | perplexity ratio engine / model |",
-                  "|---|---|---|---|"]
-        for side in (check.trained, check.emulation):
-            if side is not None:
-                ratio, low, high = side.perplexity_ratio
-                lines.append(f"| {side.against} | {_ci(side.kl_lower_bound, '.5f')} | {side.coverage:.4f} | "
-                             f"{ratio:.5f} [{low:.5f}, {high:.5f}] |")
-        lines.append("")
-        if check.floor is not None:
-            bound = check.trained.kl_lower_bound
-            lines.append(f"- {check.floor.describe()}. The trained-vs-engine KL lower bound {bound.difference:.5f} "
-                         f"against it: {check.floor.verdict(bound)} (a lower bound: the full KL may lie higher).")
-        if check.emulated_kl is not None:
-            lines.append(f"- `--compare`'s emulated figure, KL(trained || emulation) over the full vocabulary: "
-                         f"{_ci(check.emulated_kl, '.5f')} nats/token.")
-        if check.bf16_change is not None:
-            within = check.emulation_within_bound
-            lines.append(f"- The emulation against the engine: {check.emulation.kl_lower_bound.difference:.5f} nats/token, "
-                         f"bound {check.emulation_bound:.5f} (2 x KL(emulation float32 || bfloat16) = 2 x "
-                         f"{check.bf16_change.difference:.5f}): "
-                         + ("**within** it: the emulation is the engine up to float rounding." if within else
-                            "**above** it: the engine computes something the emulation does not."))
-        lines.append("")
+        lines += _text_lines(check)
     if check.benchmarks is not None:
-        lines += ["Benchmarks: lm-eval's `vllm` backend (log-likelihoods) on the export vs the trained model's in-loop "
-                  "scores, same examples, engine - trained, 95% CI clustered as the report clusters:", "",
-                  "| task | n | acc trained | acc engine | difference | flips r->w / w->r (McNemar p) | acc_norm difference | "
-                  "verdict | acc answers changed by the floor's perturbation, per seed |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        floor_tasks = ((check.run_floor or {}).get("benchmarks") or {}).get("tasks") or {}
-        for task, results in check.benchmarks.items():
-            acc, norm, flips = results.get("acc"), results.get("acc_norm"), results.get("flips_acc")
-            flip_text = (f"{flips.right_to_wrong} / {flips.wrong_to_right} (p {flips.mcnemar_p:.2f})"
-                         if flips is not None and flips.right_to_wrong is not None else "")
-            lines.append(f"| {task} | {acc.n} | {acc.before:.4f} | {acc.after:.4f} | {_ci(acc, '+.4f')} | {flip_text} | "
-                         f"{_ci(norm, '+.4f') if norm else ''} | {verdict('acc', acc)} | "
-                         f"{floor_flips(floor_tasks.get(task))} |")
-        lines += floor_note(check.run_floor, "engine")
-        lines.append("")
+        lines += _benchmark_lines(check)
     lines.append("Times: " + ", ".join(f"{k} {v:.0f} s" for k, v in check.seconds.items()) + ".")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -191,16 +191,13 @@ def render(comparison: ServedComparison, title: str = "Served (FP8 E4M3, compres
                   "| acc_norm difference | KL of choices, nats | verdict (acc) | acc answers changed by the floor's "
                   "perturbation, per seed |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        floor_tasks = ((comparison.run_floor or {}).get("benchmarks") or {}).get("tasks") or {}
+        floor_tasks = floor_tasks_of(comparison.run_floor)
         for task, results in comparison.benchmarks.items():
             acc, norm, kl = results.get("acc"), results.get("acc_norm"), results.get("kl_choices")
-            flips = results.get("flips_acc")
-            flip_text = (f"{flips.right_to_wrong} / {flips.wrong_to_right} (p {flips.mcnemar_p:.2f})"
-                         if flips is not None and flips.right_to_wrong is not None else "")
             lines.append(
-                f"| {task} | {acc.n if acc else ''} | {acc.before:.4f} | {acc.after:.4f} | {_interval(acc)} | {flip_text} | "
-                f"{_interval(norm) if norm else ''} | {_interval(kl, '.5f') if kl else ''} | {verdict('acc', acc)} | "
-                f"{floor_flips(floor_tasks.get(task))} |")
+                f"| {task} | {acc.n if acc else ''} | {acc.before:.4f} | {acc.after:.4f} | {_interval(acc)} | "
+                f"{flips_text(results.get('flips_acc'))} | {_interval(norm) if norm else ''} | "
+                f"{_interval(kl, '.5f') if kl else ''} | {verdict('acc', acc)} | {floor_flips(floor_tasks.get(task))} |")
         lines += floor_note(comparison.run_floor, "serving")
         lines.append("")
     lines += [f"- {note}" for note in comparison.notes]
@@ -214,6 +211,18 @@ def floor_note(run_floor: dict | None, what: str) -> list[str]:
     return ["", f"The floor's answers: {run_floor.get('note') or run_floor['file']} (the trained model against itself "
                 f"under a float-rounding-sized perturbation, at the end of its fit): flips of that order are the "
                 f"arithmetic's, not the {what}'s."]
+
+
+def floor_tasks_of(run_floor: dict | None) -> dict[str, dict]:
+    """The run's floor entries per benchmark task (empty: no floor measured on the benchmarks)."""
+    return ((run_floor or {}).get("benchmarks") or {}).get("tasks") or {}
+
+
+def flips_text(flips) -> str:
+    """A task's answers flipped right -> wrong / wrong -> right with McNemar's p (``3 / 1 (p 0.62)``), or ''."""
+    if flips is None or flips.right_to_wrong is None:
+        return ""
+    return f"{flips.right_to_wrong} / {flips.wrong_to_right} (p {flips.mcnemar_p:.2f})"
 
 
 def floor_flips(entry: dict | None) -> str:

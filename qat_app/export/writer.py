@@ -71,7 +71,7 @@ class _Tensors:
 
 def why_dense(layer) -> str:
     """Why a quantized matmul's weight is not stored as codes: it fell back to high precision, or its switch is off."""
-    decision = layer.fallback.get("weight")
+    decision = layer.fallback.get(Operand.WEIGHT)
     if unquantized_by(decision):
         return f"the weight fell back to high precision at step {decision.step} ({decision.reason})"
     return "weight quantization is off (exported inside the BF16 warmup?)"
@@ -146,10 +146,10 @@ def _experts_keys(name: str, record: dict[str, Any]) -> set[str]:
             | {f"{name}.{proj}._extra_state" for proj in record["projections"]})
 
 
-def _add_state(out: _Tensors, state: dict, layer_keys: set[str], quantized: set[str],
+def _add_state(out: _Tensors, state: dict, layer_keys: set[str], scalers: set[str],
                storage_dtype: torch.dtype) -> dict[str, str]:
-    """Every other state-dict tensor (scaler state unchanged, floats in ``storage_dtype``, shared storage
-    once) -> the aliases (key -> the key stored with the same storage)."""
+    """Every other state-dict tensor (the state of the ``scalers``, named as modules, unchanged; floats in
+    ``storage_dtype``; shared storage once) -> the aliases (key -> the key stored with the same storage)."""
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for key, value in state.items():
@@ -161,9 +161,8 @@ def _add_state(out: _Tensors, state: dict, layer_keys: set[str], quantized: set[
             continue
         if identity is not None:
             seen[identity] = key
-        owner = key.rpartition(".")[0]
-        layer, operand = Operand.of_scaler(owner)
-        if operand is not None and layer in quantized:
+        owner = key.rpartition(".")[0]  # the module holding the tensor
+        if owner in scalers:
             out.add(key, value, ROLE_SCALER)
         elif value.is_floating_point():
             out.add_stored(key, value, storage_dtype)
@@ -230,8 +229,8 @@ def _add_model_tensors(out: _Tensors, source: ExportSource, layers: list, state:
             experts[name] = _add_experts(out, name, module, cdtype or module.gate_up_proj.dtype, storage_dtype,
                                          source.weights)
             layer_keys |= _experts_keys(name, experts[name])
-    scaler_owners = set(quantized) | {name for name, layer in layers if not isinstance(layer, HiF8Linear)}
-    aliases = _add_state(out, state, layer_keys, scaler_owners, storage_dtype)
+    scalers = {f"{name}.{attribute}" for name, layer in layers for attribute, _ in layer.named_scalers()}
+    aliases = _add_state(out, state, layer_keys, scalers, storage_dtype)
     _add_nonpersistent_buffers(out, model, state)
     return ModelTensors(quantized, experts, aliases)
 

@@ -90,9 +90,6 @@ class FallbackDecision:
         return cls(**record, verified=None if verdict is None else Verdict(**verdict))
 
 
-def unquantized_by(record: FallbackDecision | dict | None) -> bool:
-    """Whether a fallback record (a matmul's ``fallback[operand]``, or its dict in a summary) left its operand
-    unquantized."""
-    if record is None:
-        return False
-    return record.unquantized if isinstance(record, FallbackDecision) else not BY_NAME[record["target"]].quantized
+def unquantized_by(decision: FallbackDecision | None) -> bool:
+    """Whether a fallback decision (a matmul's ``fallback[operand]``; None: none) left its operand unquantized."""
+    return decision is not None and decision.unquantized

@@ -45,17 +45,9 @@ class Operand(StrEnum):
         layer, _, last = name.rpartition(".")
         return (layer, Operand(last)) if last in _BY_VALUE else (name, None)
 
-    @staticmethod
-    def of_scaler(owner: str) -> tuple[str, "Operand | None"]:
-        """``(layer, operand)`` of a state-dict owner ``<layer>.<operand>_scaler`` (operand None: not a scaler)."""
-        layer, _, last = owner.rpartition(".")
-        operand = _BY_SCALER.get(last)
-        return (layer, operand) if operand is not None else (owner, None)
-
 
 _SWITCHES = {Operand.INPUT: "quantize_activations", Operand.WEIGHT: "quantize_weights", Operand.GRAD: "quantize_grads"}
 _BY_VALUE = {operand.value for operand in Operand}
-_BY_SCALER = {operand.scaler_name: operand for operand in Operand}
 # the scalers' attributes in registration (and state-dict) order
 SCALER_NAMES = tuple(operand.scaler_name for operand in Operand)
 
