@@ -158,12 +158,12 @@ class HealthLog:
                                 for m, v in zip(grid, entry["sqnr_db"]) if v is not None})
         return metrics
 
-    def of(self, name: str, fallback: FallbackDecision | None = None) -> dict:
+    def of(self, name: str, decision: FallbackDecision | None = None) -> dict:
         """One tensor's last logged health and its worst SQNR (and when), and since when it is unquantized (a
         fallback to high precision: its 8-bit figures stop there)."""
         worst = self.worst.get(name, {})
         out = {"last": self.last.get(name), "worst_sqnr_db": finite_or_none(worst.get("sqnr_db", math.nan)),
                "worst_sqnr_step": worst.get("step")}
-        if unquantized_by(fallback):
-            out["unquantized_since"] = fallback.step
+        if unquantized_by(decision):
+            out["unquantized_since"] = decision.step
         return out

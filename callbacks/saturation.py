@@ -22,8 +22,7 @@ import torch
 
 from qat_app.errors import ConfigError
 from qat_app.hif8.counters import as_rows, gather_columns
-from qat_app.hif8.fallback import quantized_tensors
-from qat_app.hif8.fallback_targets import FallbackDecision
+from qat_app.hif8.fallback import fallback_decisions, quantized_tensors
 from qat_app.hif8.forecast import SaturationForecast
 from qat_app.hif8.health import WHATIF_ALGOS
 from qat_app.hif8.quantized import set_health_measurement
@@ -80,12 +79,6 @@ class TotalsRow(NamedTuple):
     steps_recorded: float
     clipped: float
     seen: float
-
-
-def fallback_decisions(model) -> dict[str, FallbackDecision]:
-    """The fallback decisions of ``model`` by tensor, named like the tensors here, in model order."""
-    return {f"{short_name(name)}.{operand}": layer.fallback[operand]
-            for name, layer, operand in quantized_tensors(model) if operand in layer.fallback}
 
 
 def step_record_of(pl_module: L.LightningModule, step: int) -> StepRecord | None:
@@ -262,7 +255,9 @@ class AmaxSaturationCallback(PerOptimizerStep):
             clipped, events = columns["total_whatif_clipped"][index], columns["whatif_events"][index]
             return {algo: {"clipped": int(clipped[k]), "events": int(events[k])} for k, algo in enumerate(WHATIF_ALGOS)}
 
-        decisions = fallback_decisions(pl_module.model)
+        decisions = {operand.tensor_name(short_name(name)): decision
+                     for name, operand, decision in fallback_decisions(pl_module.model)}
+        fallback = {name: decision.as_dict() for name, decision in decisions.items()}
         tensors = {
             name: {
                 "clipped": int(r.clipped), "seen": int(r.seen), "clipped_frac": r.clipped / r.seen if r.seen else 0.0,
@@ -271,11 +266,11 @@ class AmaxSaturationCallback(PerOptimizerStep):
                 "first_clipped_step": self.first_clipped_step.get(name),
                 "a_hat": r.a_hat, "scale": r.scale, "steps_recorded": int(r.steps_recorded),
                 "whatif": whatif_of(index), "health": self.health_log.of(name, decisions.get(name)),
-                "fallback": decisions[name].as_dict() if name in decisions else None,
+                "fallback": fallback.get(name),
             }
             for index, ((name, _), r) in enumerate(zip(pairs, rows))
         }
-        return tensors, {name: {"tensor": name, **decision.as_dict()} for name, decision in decisions.items()}
+        return tensors, {name: {"tensor": name, **entry} for name, entry in fallback.items()}
 
     def summary(self, pl_module: L.LightningModule) -> dict:
         """Run totals over all ranks (a collective: call it on every rank)."""

@@ -311,34 +311,32 @@ def check_with_engine(module, export_dir: str | os.PathLike, blocks: list[torch.
                         seconds={"engine": time.perf_counter() - started, "engine_load": result["load_seconds"],
                                  "engine_text": result["text_seconds"],
                                  **({"engine_lm_eval": result["loglikelihood_seconds"]} if index else {})})
+    model = module.model.eval()
     if rows:
         started = time.perf_counter()
-        _measure_text(check, module, export_dir, blocks, result["prompt_logprobs"], emulate)
+        check.sequences, check.tokens = len(rows), sum(len(ids) - 1 for ids in rows)
+        trust = bool(module.hparams.get("trust_remote_code"))
+        _measure_text(check, model, blocks, result["prompt_logprobs"], export_dir if emulate else None, trust)
         check.seconds["measure_text"] = time.perf_counter() - started
     if index is not None:
-        _measure_benchmarks(check, module.model.eval(), benchmarks, engine_benchmark_rows(
-            benchmarks, index, result["loglikelihood"]))
+        _measure_benchmarks(check, model, benchmarks, engine_benchmark_rows(benchmarks, index, result["loglikelihood"]))
     return check
 
 
-def _measure_text(check: EngineCheck, module, export_dir, blocks: list[torch.Tensor], prompt_logprobs,
-                  emulate: bool) -> None:
-    """The held-out text against the engine's log-probs: the trained model, its noise floor and (``emulate``) the
-    export's emulation in float32, with the bound bfloat16 rounding puts on it."""
+def _measure_text(check: EngineCheck, model, blocks: list[torch.Tensor], prompt_logprobs,
+                  emulate_from: str | os.PathLike | None, trust: bool) -> None:
+    """The held-out text against the engine's log-probs: the trained model, its noise floor and the emulation of
+    the export in ``emulate_from`` (None: none) in float32, with the bound bfloat16 rounding puts on it."""
     from ..eval.noise_floor import noise_floor
     from .served import compare_on_text, load_served
 
-    model = module.model.eval()
-    check.sequences = sum(len(block) for block in blocks)
-    check.tokens = sum(len(ids) - 1 for block in blocks for ids in block)
     check.trained = text_against_engine(model, blocks, prompt_logprobs, "trained (QAT)")
     check.floor = noise_floor(model, blocks)
-    if emulate:
-        trust = bool(module.hparams.get("trust_remote_code"))
-        emulated = load_served(export_dir, dtype=torch.float32, trust_remote_code=trust)
+    if emulate_from is not None:
+        emulated = load_served(emulate_from, dtype=torch.float32, trust_remote_code=trust)
         check.emulation = text_against_engine(emulated, blocks, prompt_logprobs, "emulation (float32)")
         check.emulated_kl = compare_on_text(model, emulated, blocks, yardstick=False).kl
-        emulated_bf16 = load_served(export_dir, dtype=torch.bfloat16, trust_remote_code=trust)
+        emulated_bf16 = load_served(emulate_from, dtype=torch.bfloat16, trust_remote_code=trust)
         check.bf16_change = compare_on_text(emulated, emulated_bf16, blocks, yardstick=False).kl
 
 

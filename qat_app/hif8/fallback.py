@@ -26,7 +26,8 @@ from .counters import HEALTH, gather_columns
 from .health import FIELDS as HEALTH_FIELDS, sqnr_from_powers
 from .patch import quantized_linears
 from .operand import Operand
-from .fallback_targets import BY_NAME, FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, Verdict
+from .fallback_targets import (BY_NAME, FALLBACK_CURRENT, FALLBACK_HIGH_PRECISION, FALLBACK_TARGETS, FallbackDecision,
+                               Verdict)
 from .quantized import QuantizedMatmul
 from .sqnr_bound import gaussian_sqnr_bound
 
@@ -283,10 +284,16 @@ def quantized_tensors(model: nn.Module) -> list[tuple[str, QuantizedMatmul, Oper
             for operand in Operand if layer.scaler_of(operand) is not None]
 
 
+def fallback_decisions(model: nn.Module) -> list[tuple[str, Operand, FallbackDecision]]:
+    """``(layer name, operand, decision)`` of every tensor of ``model`` a fallback decided on, in model order."""
+    return [(name, operand, layer.fallback[operand]) for name, layer, operand in quantized_tensors(model)
+            if operand in layer.fallback]
+
+
 def fallen_back(model: nn.Module) -> list[dict]:
     """Every fallback decision of ``model``: ``{"module", "operand", "target", "step", "reason", "evidence"}``."""
-    return [{"module": name, "operand": str(operand), **layer.fallback[operand].as_dict()}
-            for name, layer, operand in quantized_tensors(model) if operand in layer.fallback]
+    return [{"module": name, "operand": str(operand), **decision.as_dict()}
+            for name, operand, decision in fallback_decisions(model)]
 
 
 RUN_FIELDS = ("saturation_events", "quantized_steps")  # the run counters the policy decides on
